@@ -1,0 +1,45 @@
+"""Where arrays live: NumPy on the host, CuPy on the device, and whether a GPU is usable at all.
+
+`import cupy_moe` must work without CuPy and without a GPU, so nothing here imports CuPy eagerly
+in a way that can fail.
+"""
+from __future__ import annotations
+
+import functools
+
+try:  # CuPy is an optional extra (cuda12 / cuda13).
+    import cupy
+except ImportError:  # pragma: no cover - exercised on machines without CuPy
+    cupy = None
+
+
+def is_device_array(x) -> bool:
+    """True for a CuPy array (device memory)."""
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_available() -> bool:
+    """True when CuPy is installed and at least one CUDA device answers."""
+    if cupy is None:
+        return False
+    try:
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver, no device, or a broken runtime
+        return False
+
+
+def require_gpu(what: str):
+    """Return the cupy module, or raise a RuntimeError that says why `what` cannot run."""
+    if cupy is None:
+        raise RuntimeError(
+            f"{what} needs CuPy: install cupy_moe with the extra that matches your CUDA, "
+            "e.g. pip install 'cupy_moe[cuda12]' (or [cuda13])")
+    if not gpu_available():
+        raise RuntimeError(f"{what} needs a CUDA GPU, and CuPy found none on this machine")
+    return cupy
+
+
+def asnumpy(x):
+    """A host copy of `x` (NumPy arrays pass through unchanged)."""
+    return cupy.asnumpy(x) if is_device_array(x) else x

@@ -1,0 +1,327 @@
+"""A whole MoE layer: routing, the two fused GEMM phases, SiLU(gate) * up, and the sum over the top-k.
+
+Legend: M tokens, H hidden size, I expert intermediate size, E experts, A top-k, P = M * A pairs.
+
+NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
+
+    router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32
+    topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only)
+    hidden [M, H] --fused_moe_gemm(w13, top_k=A)--> x1 [P, 2I]        one launch
+    x1 --silu_and_mul--> act [P, I]                                   one launch
+    act --fused_moe_gemm(w2, top_k=1, topk_weights)--> x2 [P, H]      one launch, routing weights fused
+    x2 --moe_sum--> out [M, H]                                        one launch
+
+Nothing on the GPU path reads device memory on the host, so a forward can be captured in a CUDA graph
+(`MoELayer.capture`).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _compile, configs, reference
+from ._xp import cupy, is_device_array, require_gpu
+from .align import moe_align_block_size
+from .gemm import fused_moe_gemm
+from .weights import StackedGptqWeight
+
+__all__ = ["select_experts", "fused_moe", "MoELayer"]
+
+_FILE = "moe_layer.cu"
+_THREADS = 256
+_MAX_GRID = 132 * 16  # grid-stride loops: enough CTAs to fill an H100/H200 several times over
+_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def _ctype(name, dtype, allowed=("float16", "bfloat16")):
+    key = np.dtype(dtype).name
+    if key not in allowed:
+        raise TypeError(f"{name}: expected dtype {' or '.join(allowed)}, got {np.dtype(dtype).name}")
+    return _CTYPES[key]
+
+
+def _check_matrix(name, x, letters, rows=None, cols=None):
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D array {letters}, got shape {tuple(x.shape)}")
+    if rows is not None and x.shape[0] != rows:
+        raise ValueError(f"{name}: expected {rows} rows ({letters[1]}), got shape {tuple(x.shape)}")
+    if cols is not None and x.shape[1] != cols:
+        raise ValueError(f"{name}: expected {cols} columns, got shape {tuple(x.shape)}")
+
+
+def _grid(total):
+    return (max(1, min(_MAX_GRID, -(-total // _THREADS))),)
+
+
+def select_experts(router_logits, top_k, renormalize=False):
+    """Softmax over experts, then the top-k (ties go to the lower expert index).
+
+    router_logits: float16, bfloat16 or float32 [M, E], E <= 1024. top_k: A, 1 <= A <= min(E, 32).
+    renormalize: divide the A weights of each token by their sum.
+    Returns topk_weights float32 [M, A] and topk_ids int32 [M, A], on the device for CuPy input.
+    """
+    if not is_device_array(router_logits):
+        return reference.select_experts(router_logits, top_k, renormalize)
+    cp = require_gpu("select_experts on CuPy arrays")
+    ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
+    _check_matrix("router_logits", router_logits, "[M, E]")
+    m, e = router_logits.shape
+    if not 1 <= e <= 1024:
+        raise ValueError(f"router_logits: expected 1 <= E <= 1024 experts, got E={e}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= min(e, 32):
+        raise ValueError(f"top_k: expected an int in [1, min(E, 32)] = [1, {min(e, 32)}], got {top_k!r}")
+    logits = cp.ascontiguousarray(router_logits)
+    weights = cp.empty((m, top_k), cp.float32)
+    ids = cp.empty((m, top_k), cp.int32)
+    if m:
+        warps = _THREADS // 32
+        kernel = _compile.get_kernel(_FILE, f"select_experts<{ctype}>")
+        kernel((-(-m // warps),), (_THREADS,),
+               (logits, weights, ids, np.int32(m), np.int32(e), np.int32(top_k), np.int32(bool(renormalize))),
+               shared_mem=warps * e * 4)
+    return weights, ids
+
+
+def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
+    for name, w in (("w13", w13), ("w2", w2)):
+        if not isinstance(w, StackedGptqWeight):
+            raise TypeError(f"{name}: expected a StackedGptqWeight, got {type(w).__name__}")
+    _check_matrix("hidden_states", hidden_states, "[M, H]")
+    m, h = hidden_states.shape
+    if w13.k != h:
+        raise ValueError(f"w13: expected K = H = {h} (hidden_states' columns), got K={w13.k}")
+    if w13.n != 2 * w2.k:
+        raise ValueError(f"w13: expected N = 2I = {2 * w2.k} (twice w2's K), got N={w13.n}")
+    if w2.n != h:
+        raise ValueError(f"w2: expected N = H = {h}, got N={w2.n}")
+    if w2.num_experts != w13.num_experts:
+        raise ValueError(f"w2: expected E = {w13.num_experts} experts (as w13), got E={w2.num_experts}")
+    _check_matrix("topk_ids", topk_ids, "[M, A]", rows=m)
+    _check_matrix("topk_weights", topk_weights, "[M, A]", rows=m, cols=topk_ids.shape[1])
+
+
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
+    """The routed experts of one MoE layer: sum over a token's A experts of weight * down(SiLU(gate) * up).
+
+    hidden_states: float16 or bfloat16 [M, H]. w13: StackedGptqWeight [E, H*bits/32, 2I] (gate columns, then
+    up). w2: StackedGptqWeight [E, I*bits/32, H]. topk_weights: float32 [M, A]. topk_ids: int32/int64 [M, A].
+    out: [M, H] of hidden_states' dtype to write into, or None.
+    Returns [M, H] in hidden_states' dtype. Roundings as `cupy_moe.reference.fused_moe`: x1, act, x2 and the
+    output are each rounded once to the dtype; everything between is float32.
+    NumPy inputs run the reference. On the GPU the intermediates come from CuPy's memory pool; to replay the
+    call in a CUDA graph, capture it through `MoELayer.capture`, which gives the graph a private pool.
+    """
+    _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids)
+    if not is_device_array(hidden_states):
+        result = reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
+        if out is not None:
+            out[...] = result
+            return out
+        return result
+    cp = require_gpu("fused_moe on CuPy arrays")
+    ctype = _ctype("hidden_states", hidden_states.dtype)
+    m, h = hidden_states.shape
+    a = topk_ids.shape[1]
+    p, i, e = m * a, w2.k, w13.num_experts
+    dtype = hidden_states.dtype
+    if out is None:
+        out = cp.empty((m, h), dtype)
+    elif not (is_device_array(out) and out.shape == (m, h) and out.dtype == dtype and out.flags.c_contiguous):
+        raise ValueError(f"out: expected a C-contiguous CuPy array [M, H] = [{m}, {h}] of {dtype}, "
+                         f"got {type(out).__name__} {getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
+    if m == 0:
+        return out
+    block_m = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size).block_m
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, e)
+    # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
+    x1 = fused_moe_gemm(hidden_states, w13, sorted_ids, expert_ids, num_post, a, out=cp.empty((p, 2 * i), dtype))
+    act = cp.empty((p, i), dtype)
+    _compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>")(
+        _grid(p * i), (_THREADS,), (x1, act, np.int64(p), np.int32(i)))
+    x2 = fused_moe_gemm(act, w2, sorted_ids, expert_ids, num_post, 1, topk_weights=topk_weights,
+                        out=cp.empty((p, h), dtype))
+    _compile.get_kernel(_FILE, f"moe_sum<{ctype}>")(
+        _grid(m * h), (_THREADS,), (x2, out, np.int64(m), np.int32(a), np.int32(h)))
+    return out
+
+
+def _xp_of(x):
+    return cupy if is_device_array(x) else np
+
+
+def _experts_general(x, w13, w2, b13, b2, weights, ids):
+    """The routed experts for what `fused_moe` does not take: dense experts or non-zero expert biases.
+
+    x [M, H]; w13 StackedGptqWeight or dense [E, H, 2I]; w2 likewise [E, I, H]; b13 [E, 2I] / b2 [E, H] float32
+    or None; weights float32 [M, A]; ids [M, A]. Biases are added after each GEMM's rounding; a down bias is
+    scaled by the routing weight like the rest of that expert's output. Dense experts loop over E on the host.
+    """
+    xp = _xp_of(x)
+    dtype = x.dtype
+    m, a = ids.shape
+    e_p = ids.reshape(-1)                                  # [P] expert of each pair
+    w_p = weights.reshape(-1).astype(np.float32)           # [P]
+
+    def phase(rows, w, top_k):                             # rows [M', K] -> [P, N] float32
+        if isinstance(w, StackedGptqWeight):
+            block_m = configs.SUPPORTED_BLOCK_M[0]
+            aligned = moe_align_block_size(ids, block_m, w.num_experts)
+            return fused_moe_gemm(rows, w, *aligned, top_k).astype(np.float32)
+        per_pair = rows[xp.arange(m * a) // top_k].astype(np.float32)  # [P, K]
+        y = xp.zeros((m * a, w.shape[2]), np.float32)
+        for e in range(w.shape[0]):
+            sel = xp.nonzero(e_p == e)[0]
+            if sel.size:
+                y[sel] = per_pair[sel] @ w[e].astype(np.float32)
+        return y
+
+    x1 = phase(x, w13, a)
+    if b13 is not None:
+        x1 += b13[e_p]
+    x1 = x1.astype(dtype).astype(np.float32)
+    i = x1.shape[1] // 2
+    gate, up = x1[:, :i], x1[:, i:]
+    act = (gate / (1.0 + xp.exp(-gate)) * up).astype(dtype)
+    x2 = phase(act, w2, 1)
+    if b2 is not None:
+        x2 += b2[e_p]
+    x2 = (x2 * w_p[:, None]).astype(dtype).astype(np.float32)
+    return x2.reshape(m, a, -1).sum(axis=1).astype(dtype)
+
+
+class MoELayer:
+    """One MoE layer, callable on hidden states: routing, routed experts, shared experts.
+
+    weights: a `cupy_moe.checkpoint.MoELayerWeights` (what `load_moe_layer` returns). CuPy weights run on the
+    GPU, NumPy weights through the reference; hidden states must live where the weights do.
+
+        layer = cupy_moe.MoELayer.from_checkpoint("ckpt/", layer=0)
+        y = layer(x)          # x: cupy float16/bfloat16 [M, H] -> y [M, H]
+
+    Routing (`route`): logits = x @ router.T (+ bias) in float32; softmax or sigmoid scores; DeepSeek's
+    group-limited selection and score-correction bias when the config asks for them; top-k with ties to the
+    lower expert; optional renormalization; times `routed_scaling_factor`. Shared experts (Qwen2-MoE, DeepSeek)
+    run as one always-selected expert and are added, Qwen2-MoE's scaled by sigmoid(x @ shared_gate.T).
+    """
+
+    def __init__(self, weights):
+        self.weights = weights
+
+    @classmethod
+    def from_checkpoint(cls, path, layer, *, device=True, scheme=None):
+        """Load layer `layer` of the checkpoint folder `path` (see `cupy_moe.load_moe_layer`)."""
+        from .checkpoint import load_moe_layer
+        return cls(load_moe_layer(path, layer, device=device, scheme=scheme))
+
+    def _check_input(self, x):
+        w = self.weights
+        if is_device_array(x) != is_device_array(w.router_weight):
+            where = "CuPy" if is_device_array(w.router_weight) else "NumPy"
+            raise TypeError(f"hidden_states: expected a {where} array (where the layer's weights are), "
+                            f"got {type(x).__name__}")
+        _check_matrix("hidden_states", x, "[M, H]", cols=w.hidden_size)
+
+    def route(self, hidden_states):
+        """topk_weights float32 [M, A] and topk_ids int32 [M, A] for hidden_states [M, H]."""
+        self._check_input(hidden_states)
+        w = self.weights
+        xp = _xp_of(hidden_states)
+        logits = hidden_states.astype(np.float32) @ w.router_weight.astype(np.float32).T  # [M, E]
+        if w.router_bias is not None:
+            logits += w.router_bias
+        grouped = w.topk_method in ("group_limited_greedy", "noaux_tc") and (w.n_group or 1) > 1
+        if w.scoring_func == "softmax" and w.e_score_correction_bias is None and not grouped:
+            weights, ids = select_experts(logits, w.top_k, w.renormalize)
+        else:
+            weights, ids = self._route_scores(xp, logits, grouped)
+        if w.routed_scaling_factor != 1.0:
+            weights = weights * np.float32(w.routed_scaling_factor)
+        return weights, ids
+
+    def _route_scores(self, xp, logits, grouped):
+        """DeepSeek-style routing: sigmoid or softmax scores, optional bias and group limit, then top-k."""
+        w = self.weights
+        m, e = logits.shape
+        if w.scoring_func == "sigmoid":
+            scores = 1.0 / (1.0 + xp.exp(-logits))
+        elif w.scoring_func == "softmax":
+            z = xp.exp(logits - logits.max(axis=1, keepdims=True))
+            scores = z / z.sum(axis=1, keepdims=True)
+        else:
+            raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {w.scoring_func!r}")
+        choice = scores if w.e_score_correction_bias is None else scores + w.e_score_correction_bias
+        if grouped:
+            per_group = choice.reshape(m, w.n_group, e // w.n_group)           # [M, groups, E/groups]
+            if w.topk_method == "noaux_tc":  # V3: a group scores the sum of its two best experts
+                group_score = xp.sort(per_group, axis=2)[:, :, -2:].sum(axis=2)
+            else:                            # V2: a group scores its best expert
+                group_score = per_group.max(axis=2)
+            rank = xp.argsort(xp.argsort(-group_score, axis=1, kind="stable"), axis=1, kind="stable")
+            keep = (rank < w.topk_group)[:, :, None]
+            choice = xp.where(keep, per_group, -xp.inf).reshape(m, e)
+        ids = xp.argsort(-choice, axis=1, kind="stable")[:, :w.top_k].astype(np.int32)
+        weights = xp.take_along_axis(scores, ids, axis=1).astype(np.float32)
+        if w.renormalize:
+            weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(1e-20))
+        return weights, ids
+
+    def __call__(self, hidden_states):
+        """The layer's output [M, H] in hidden_states' dtype (float16 or bfloat16 on the GPU)."""
+        weights, ids = self.route(hidden_states)
+        w = self.weights
+        fast = (isinstance(w.w13, StackedGptqWeight) and isinstance(w.w2, StackedGptqWeight)
+                and w.w13_bias is None and w.w2_bias is None)
+        if fast:
+            out = fused_moe(hidden_states, w.w13, w.w2, weights, ids)
+        else:
+            out = _experts_general(hidden_states, w.w13, w.w2, w.w13_bias, w.w2_bias, weights, ids)
+        if w.shared is None:
+            return out
+        xp = _xp_of(hidden_states)
+        m = hidden_states.shape[0]
+        s = w.shared
+        one = xp.ones((m, 1), np.float32)
+        zero = xp.zeros((m, 1), np.int32)
+        if (isinstance(s.gate_up, StackedGptqWeight) and isinstance(s.down, StackedGptqWeight)
+                and s.gate_up_bias is None and s.down_bias is None):
+            shared = fused_moe(hidden_states, s.gate_up, s.down, one, zero)
+        else:
+            shared = _experts_general(hidden_states, s.gate_up, s.down, s.gate_up_bias, s.down_bias, one, zero)
+        shared = shared.astype(np.float32)
+        if w.shared_gate_weight is not None:
+            gate = hidden_states.astype(np.float32) @ w.shared_gate_weight.astype(np.float32).T  # [M, 1]
+            shared = shared / (1.0 + xp.exp(-gate))
+        return (out.astype(np.float32) + shared).astype(hidden_states.dtype)
+
+    def capture(self, hidden_states):
+        """Capture one forward on `hidden_states`' buffer into a CUDA graph.
+
+        Returns a `CapturedForward`; write new values into `hidden_states` (same array), call `.replay()`, and
+        read `.out`. The graph's intermediates live in a private memory pool held by the returned object.
+        """
+        cp = require_gpu("MoELayer.capture")
+        self._check_input(hidden_states)
+        stream = cp.cuda.Stream(non_blocking=True)
+        pool = cp.cuda.MemoryPool()
+        with stream:
+            self(hidden_states)  # warm-up: compiles kernels and sizes the GEMM's split-K workspace
+            stream.synchronize()
+            with cp.cuda.using_allocator(pool.malloc):
+                stream.begin_capture()
+                try:
+                    out = self(hidden_states)
+                finally:
+                    graph = stream.end_capture()
+        return CapturedForward(graph, stream, pool, hidden_states, out)
+
+
+class CapturedForward:
+    """A captured `MoELayer` forward: `replay()` reruns it on the current contents of `hidden_states`."""
+
+    def __init__(self, graph, stream, pool, hidden_states, out):
+        self.graph, self.stream, self._pool = graph, stream, pool
+        self.hidden_states, self.out = hidden_states, out
+
+    def replay(self):
+        """Launch the graph on its stream and return `out` (synchronize or use the stream before reading)."""
+        self.graph.launch(stream=self.stream)
+        return self.out

@@ -1,0 +1,517 @@
+"""Write genuine GPTQ (and AWQ GEMM) Mixture-of-Experts checkpoints for tests, examples and the demo.
+
+No model is downloaded anywhere in cupy_moe: `write_checkpoint` makes random float weights, quantizes them with
+the reference round-to-nearest quantizer (`cupy_moe.reference.quantize`, GPTQ_FORMAT.md §5) and saves them the
+way AutoGPTQ / GPTQModel / AutoAWQ lay them out: each family's tensor names, config.json and
+quantize_config.json, GPTQ v1 or gptq_v2 zero points, sym or asym, act-order g_idx, bf16 scales, all-zero
+`.bias` tensors, shards that split one module's tensors across files, GPTQModel `dynamic` rules.
+It returns the float weights it quantized, so tests can compare what a loader reads back.
+
+    from cupy_moe.testing import write_checkpoint
+    weights = write_checkpoint("/tmp/ckpt", family="qwen2_moe", num_layers=2, desc_act=True, num_shards=3)
+    weights["model.layers.0.mlp.experts.1.up_proj"]  # float32 [K, N] = [H, I], the W of y = x @ W
+
+Shape letters: H hidden size, I expert intermediate size, E experts, K in-features, N out-features,
+G group size, R = ceil(K/G).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from . import reference
+
+__all__ = ["write_checkpoint", "edit_checkpoint", "FAMILIES"]
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+
+_ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+         "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+# NumPy dtype name -> safetensors dtype name. bfloat16 is written from uint16 bit patterns.
+_ST_NAME = {"int32": "I32", "float16": "F16", "float32": "F32", "bfloat16": "BF16", "int64": "I64"}
+_QUANT_CHUNK = 512  # columns per reference.quantize call: cache-sized, and the chunks run on threads
+_AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AWQ GEMM: nibble i of a word holds column 8c + _AWQ_ORDER[i]
+_V1_WORD_ADD = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float -> uint16 bfloat16 bit patterns, round to nearest even (finite inputs)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+def _store_float(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """(array to write, its values as float32) for a float tensor stored as float16/bfloat16/float32."""
+    if dtype == "bfloat16":
+        bits = _to_bf16_bits(x)
+        return bits, _from_bf16_bits(bits)
+    stored = np.ascontiguousarray(x, dtype=dtype)
+    return stored, stored.astype(np.float32)
+
+
+def _match_dynamic(dynamic: dict | None, name: str):
+    """GPTQModel `dynamic`: first matching rule wins; "-:re" -> "skip", "+:re"/"re" -> its overrides."""
+    for pattern, overrides in (dynamic or {}).items():
+        if pattern.startswith("-:"):
+            if re.match(pattern[2:], name):
+                return "skip"
+        elif re.match(pattern[2:] if pattern.startswith("+:") else pattern, name):
+            return overrides or {}
+    return None
+
+
+def _quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, g_idx, pool) -> reference.QuantizedLinear:
+    """reference.quantize over column chunks (columns quantize independently; results are bit-identical)."""
+    n = w.shape[1]
+    if n <= _QUANT_CHUNK:
+        return reference.quantize(w, bits=bits, group_size=group_size, sym=sym, g_idx=g_idx)
+    starts = range(0, n, _QUANT_CHUNK)
+    parts = list(pool.map(lambda c: reference.quantize(np.ascontiguousarray(w[:, c:c + _QUANT_CHUNK]), bits=bits,
+                                                       group_size=group_size, sym=sym, g_idx=g_idx), starts))
+    cat = lambda key: np.concatenate([getattr(p, key) for p in parts], axis=1)  # noqa: E731
+    return reference.QuantizedLinear(cat("qweight"), cat("qzeros"), cat("scales"), parts[0].g_idx,
+                                     parts[0].checkpoint_format)
+
+
+def _zeros_to_format(q: reference.QuantizedLinear, bits: int, fmt: str) -> np.ndarray:
+    """qzeros of `q` (v1 when sym, v2 when asym) re-expressed in checkpoint format `fmt`."""
+    if q.checkpoint_format == fmt:
+        return q.qzeros
+    mask = (1 << bits) - 1
+    if fmt == "gptq_v2":  # v1 -> real zeros
+        return reference.pack_cols((reference.unpack_cols(q.qzeros, bits) + 1) & mask, bits)
+    # real -> v1, as GPTQModel exports it: subtract 1 from every field of a word at once (a real zero of 0
+    # borrows from the next field; the loader's word-level add undoes it exactly). 3 bits: per field.
+    if bits in _V1_WORD_ADD:
+        words = q.qzeros.view(np.uint32).astype(np.int64) - _V1_WORD_ADD[bits]
+        return (words % (1 << 32)).astype(np.uint32).view(np.int32)
+    return reference.pack_cols((reference.unpack_cols(q.qzeros, bits) - 1) & mask, bits)
+
+
+def _awq_pack(values: np.ndarray) -> np.ndarray:
+    """uint [X, N] 4-bit values -> AWQ GEMM int32 [X, N/8]: nibble i of word c holds column 8c + order[i]."""
+    x, n = values.shape
+    interleaved = values.reshape(x, n // 8, 8)[..., _AWQ_ORDER].reshape(x, n)
+    return reference.pack_cols(interleaved, 4)
+
+
+# --------------------------------------------------------------------------- safetensors writing
+
+
+class _ShardWriter:
+    """Writes safetensors files whose headers are fixed up front, then appends tensors in header order."""
+
+    def __init__(self, folder: Path, plan: list[tuple[str, str, tuple]], num_shards: int, file_name: str):
+        self.folder = folder
+        if num_shards == 1:
+            names = [file_name]
+        else:
+            names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
+        # Round-robin by tensor: one module's qweight/qzeros/scales/g_idx land in different files.
+        self.where = {}
+        headers = [dict() for _ in names]
+        offsets = [0] * len(names)
+        for i, (tname, dtype, shape) in enumerate(plan):
+            s = i % len(names)
+            nbytes = math.prod(shape) * np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize
+            headers[s][tname] = {"dtype": _ST_NAME[dtype], "shape": list(shape),
+                                 "data_offsets": [offsets[s], offsets[s] + nbytes]}
+            offsets[s] += nbytes
+            self.where[tname] = (s, dtype, tuple(shape))
+        self.files = []
+        for name, header in zip(names, headers):
+            header = {"__metadata__": {"format": "pt"}, **header}
+            raw = json.dumps(header, separators=(",", ":")).encode()
+            raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
+            fh = open(folder / name, "wb")
+            fh.write(struct.pack("<Q", len(raw)) + raw)
+            self.files.append(fh)
+        self.names = names
+        self.total = sum(offsets)
+        self.pending = [iter([t for t, (s, _, _) in self.where.items() if s == i]) for i in range(len(names))]
+
+    def write(self, tname: str, array: np.ndarray):
+        s, dtype, shape = self.where[tname]
+        expect = next(self.pending[s])
+        if expect != tname:  # header order is the write order; anything else is a bug in the writer
+            raise RuntimeError(f"internal: wrote '{tname}' to {self.names[s]}, expected '{expect}' next")
+        want = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+        if array.dtype != want or array.shape != shape:
+            raise RuntimeError(f"internal: '{tname}' is {array.dtype} {array.shape}, planned {dtype} {shape}")
+        self.files[s].write(np.ascontiguousarray(array).tobytes())
+
+    def close(self, index: bool):
+        for fh in self.files:
+            fh.close()
+        if index:
+            weight_map = {t: self.names[s] for t, (s, _, _) in self.where.items()}
+            with open(self.folder / "model.safetensors.index.json", "w") as fh:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, fh, indent=2)
+
+
+# --------------------------------------------------------------------------- the writer
+
+
+def _apply(base: dict, extra: dict | None) -> dict:
+    """base updated with extra; a None value in extra deletes the key."""
+    out = dict(base)
+    for key, val in (extra or {}).items():
+        if val is None:
+            out.pop(key, None)
+        else:
+            out[key] = val
+    return out
+
+
+def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidden: int = 64,
+                     intermediate: int = 128, num_experts: int = 4, top_k: int = 2, bits: int = 4,
+                     group_size: int = 32, sym: bool = True, desc_act: bool = False,
+                     checkpoint_format: str | None = None, quant_method: str = "gptq",
+                     scales_dtype: str = "float16", dense_dtype: str = "float16", zero_bias: bool = False,
+                     bias: bool = False, shared_intermediate: int | None = None, quantize_shared: bool = True,
+                     first_k_dense_replace: int | None = None, dense_intermediate: int | None = None,
+                     num_shards: int = 1, file_name: str = "model.safetensors", dynamic: dict | None = None,
+                     modules_in_block_to_quantize: bool = False, quant_config_files: str = "both",
+                     extra_config: dict | None = None, extra_quant_config: dict | None = None,
+                     same_gate_up_g_idx: bool = True, return_weights: bool = True, seed: int = 0,
+                     weight_std: float = 0.02) -> dict:
+    """Write a GPTQ (or AWQ GEMM) MoE checkpoint folder and return the float weights it quantized.
+
+    path: folder to create (may exist; files are overwritten).
+    family: "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2" or "deepseek_v3" (names and config keys).
+    num_layers, hidden H, intermediate I (per expert), num_experts E, top_k A: model sizes.
+    bits 2/3/4/8, group_size G or -1, sym, desc_act (act-order: a permuted, non-monotone g_idx per module).
+    checkpoint_format: "gptq" (v1: stored zero - 1) or "gptq_v2" (real zeros); default "gptq" when sym,
+        "gptq_v2" when asym. Asym v1 is written the way GPTQModel exports it (word-level subtract).
+    quant_method: "gptq" or "awq" (AWQ GEMM: qweight [K, N/8] packed along N, interleaved; 4-bit; no g_idx).
+    scales_dtype: "float16", "bfloat16" or "float32". dense_dtype: dtype of dense tensors (router, excluded
+        modules): "float16", "bfloat16" or "float32".
+    zero_bias: add an all-zero `.bias` [N] to every quantized module (AutoGPTQ <= 0.7.1 did).
+    bias: add a random non-zero `.bias` [N] to every expert module instead.
+    shared_intermediate: I_s of the shared expert (qwen2_moe, deepseek; default 2*I for qwen2_moe, and
+        n_shared_experts*I with n_shared_experts = 2 (v2) / 1 (v3) for deepseek). quantize_shared: False
+        stores the shared expert dense while the config stays silent about it.
+    first_k_dense_replace: DeepSeek dense first layers (default 1 when num_layers > 1, else 0); their dense MLP
+        (intermediate `dense_intermediate`, default 2*I) is quantized like the experts.
+    num_shards: > 1 writes model-0000i-of-0000n.safetensors + model.safetensors.index.json, tensors assigned
+        round-robin so every module's tensors are split across files. file_name: the single file's name.
+    dynamic: GPTQModel rules written to the config and applied here: "-:regex" -> module stored dense,
+        "+:regex"/"regex" -> {bits, group_size, sym, desc_act} overrides; first match wins.
+    modules_in_block_to_quantize: write the optimum/transformers list of quantized modules (block-relative).
+    quant_config_files: where the quantization config goes: "both" (config.json['quantization_config'] and
+        quantize_config.json), "quantize_config", "quant_config" (AutoAWQ-style keys for awq) or "config".
+    extra_config / extra_quant_config: keys merged into config.json / the quantization config (None deletes).
+    same_gate_up_g_idx: with desc_act, gate and up of one expert get the same g_idx, as real GPTQ gives them
+        (same inputs, same Hessian, same order); False draws separate ones (a broken file, for tests).
+    return_weights: False returns {} (a Mixtral-8x7B layer is 5.6 GB of float32).
+    seed: everything is reproducible from it. weight_std: std of the random normal weights.
+
+    Returns {name: float32 array}: for every Linear module (quantized or dense) its W [K, N] (y = x @ W, the
+    values that were quantized, or the stored values for dense ones); for every other tensor written (biases,
+    e_score_correction_bias) its stored values as float32, keyed by tensor name.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
+    if quant_method not in ("gptq", "awq"):
+        raise ValueError(f"quant_method: expected 'gptq' or 'awq', got {quant_method!r}")
+    fmt = checkpoint_format or ("gptq" if sym else "gptq_v2")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"checkpoint_format: expected 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
+    if quant_method == "awq" and (bits != 4 or desc_act):
+        raise ValueError(f"quant_method='awq': expected bits=4 and desc_act=False, got bits={bits}, "
+                         f"desc_act={desc_act}")
+    for name, val in (("scales_dtype", scales_dtype), ("dense_dtype", dense_dtype)):
+        if val not in ("float16", "bfloat16", "float32"):
+            raise ValueError(f"{name}: expected 'float16', 'bfloat16' or 'float32', got {val!r}")
+    if quant_config_files not in ("both", "quantize_config", "quant_config", "config"):
+        raise ValueError(f"quant_config_files: expected 'both', 'quantize_config', 'quant_config' or 'config', "
+                         f"got {quant_config_files!r}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards: expected >= 1, got {num_shards}")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.json")):
+        old.unlink()  # a rewrite must not leave stale shards or configs behind
+
+    deepseek = family.startswith("deepseek")
+    h, i, e_count = hidden, intermediate, num_experts
+    n_shared = 2 if family == "deepseek_v2" else 1
+    if shared_intermediate is None:
+        shared_intermediate = 2 * i if family == "qwen2_moe" else n_shared * i
+    elif deepseek:
+        if shared_intermediate % i:
+            raise ValueError(f"shared_intermediate: expected a multiple of intermediate={i} for {family} "
+                             f"(n_shared_experts * I), got {shared_intermediate}")
+        n_shared = shared_intermediate // i
+    if first_k_dense_replace is None:
+        first_k_dense_replace = 1 if (deepseek and num_layers > 1) else 0
+    if first_k_dense_replace and not deepseek:
+        raise ValueError(f"first_k_dense_replace: only the deepseek families have dense first layers, got "
+                         f"{first_k_dense_replace} for {family}")
+    dense_intermediate = dense_intermediate or 2 * i
+    has_shared = family in ("qwen2_moe", "deepseek_v2", "deepseek_v3")
+
+    # ---- the module plan: (module name, K, N, role) with role "expert", "shared", "dense_mlp" or "dense"
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    modules, extras = [], []  # extras: (tensor name, kind, shape)
+    for layer in range(num_layers):
+        pre = f"model.layers.{layer}"
+        extras.append((f"{pre}.input_layernorm.weight", "norm", (h,)))
+        if layer < first_k_dense_replace:
+            for p, k, n in ((gate, h, dense_intermediate), (up, h, dense_intermediate), (down, dense_intermediate, h)):
+                modules.append((f"{pre}.mlp.{p}", k, n, "dense_mlp"))
+            continue
+        moe = f"{pre}.block_sparse_moe" if family == "mixtral" else f"{pre}.mlp"
+        for e in range(e_count):
+            for p, k, n in ((gate, h, i), (up, h, i), (down, i, h)):
+                modules.append((f"{moe}.experts.{e}.{p}", k, n, "expert"))
+        if has_shared:
+            sh = f"{pre}.mlp.shared_expert" if family == "qwen2_moe" else f"{pre}.mlp.shared_experts"
+            i_s = shared_intermediate
+            for p, k, n in ((gate, h, i_s), (up, h, i_s), (down, i_s, h)):
+                modules.append((f"{sh}.{p}", k, n, "shared"))
+        modules.append((f"{moe}.gate", h, e_count, "dense"))  # router, never quantized
+        if family == "qwen2_moe":
+            modules.append((f"{pre}.mlp.shared_expert_gate", h, 1, "dense"))
+        if family == "deepseek_v3":
+            extras.append((f"{pre}.mlp.gate.e_score_correction_bias", "score_bias", (e_count,)))
+
+    def quant_of(name, role):
+        """(bits, group_size, sym, desc_act) or None for a dense module."""
+        if role == "dense" or (role == "shared" and not quantize_shared):
+            return None
+        rule = _match_dynamic(dynamic, name)
+        if rule == "skip":
+            return None
+        rule = rule or {}
+        return (int(rule.get("bits", bits)), int(rule.get("group_size", group_size)), bool(rule.get("sym", sym)),
+                bool(rule.get("desc_act", desc_act)))
+
+    # ---- tensor plan (names, dtypes, shapes in write order)
+    plan, specs = [], []
+    for name, k, n, role in modules:
+        spec = quant_of(name, role)
+        specs.append(spec)
+        with_bias = bias and role == "expert"
+        if spec is None:
+            plan.append((f"{name}.weight", dense_dtype, (n, k)))
+        else:
+            b, g, _, _ = spec
+            r = 1 if g == -1 else -(-k // g)
+            if quant_method == "awq":
+                plan.append((f"{name}.qweight", "int32", (k, n * b // 32)))
+            else:
+                plan.append((f"{name}.qweight", "int32", (k * b // 32, n)))
+            plan.append((f"{name}.qzeros", "int32", (r, n * b // 32)))
+            plan.append((f"{name}.scales", scales_dtype, (r, n)))
+            if quant_method == "gptq":
+                plan.append((f"{name}.g_idx", "int32", (k,)))
+            with_bias = with_bias or zero_bias
+        if with_bias:
+            plan.append((f"{name}.bias", "float16", (n,)))
+    for tname, kind, shape in extras:
+        plan.append((tname, "float32" if kind == "score_bias" else dense_dtype, shape))
+
+    writer = _ShardWriter(folder, plan, num_shards, file_name)
+    rng = np.random.default_rng(seed)
+    out = {}
+    act_orders = {}  # gate and up of one MLP share their inputs, hence their act-order g_idx
+    try:
+        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+            for (name, k, n, role), spec in zip(modules, specs):
+                w = rng.standard_normal((k, n), dtype=np.float32) * np.float32(weight_std)  # [K, N]
+                if spec is None:
+                    stored, values = _store_float(w.T, dense_dtype)  # nn.Linear.weight [N, K]
+                    writer.write(f"{name}.weight", stored)
+                    if return_weights:
+                        out[name] = np.ascontiguousarray(values.T)
+                else:
+                    g_idx = None
+                    if spec[3] and spec[1] != -1:  # desc_act with groups
+                        proj = name.rsplit(".", 1)[1]
+                        key = (name.rsplit(".", 1)[0], k, spec[1]) if (proj in (gate, up) and same_gate_up_g_idx) \
+                            else name
+                        if key not in act_orders:
+                            act_orders[key] = reference.act_order_g_idx(k, spec[1], rng)
+                        g_idx = act_orders[key]
+                    _write_quantized(writer, name, w, spec, fmt, quant_method, scales_dtype, g_idx, pool)
+                    if return_weights:
+                        out[name] = w
+                if f"{name}.bias" in writer.where:
+                    vals = (np.zeros(n, np.float32) if not (bias and role == "expert")
+                            else rng.standard_normal(n, dtype=np.float32) * np.float32(0.1))
+                    stored = vals.astype(np.float16)
+                    writer.write(f"{name}.bias", stored)
+                    if return_weights:
+                        out[f"{name}.bias"] = stored.astype(np.float32)
+                del w
+        for tname, kind, shape in extras:
+            vals = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1) if kind == "score_bias"
+                    else np.ones(shape, np.float32))
+            stored, values = _store_float(vals, "float32" if kind == "score_bias" else dense_dtype)
+            writer.write(tname, stored)
+            if return_weights:
+                out[tname] = values
+    finally:
+        writer.close(index=num_shards > 1)
+
+    _write_configs(folder, family=family, num_layers=num_layers, h=h, i=i, e_count=e_count, top_k=top_k,
+                   shared_intermediate=shared_intermediate if has_shared else None, n_shared=n_shared,
+                   first_k_dense_replace=first_k_dense_replace, dense_intermediate=dense_intermediate,
+                   bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, fmt=fmt, quant_method=quant_method,
+                   dynamic=dynamic, dense_dtype=dense_dtype,
+                   in_block=[[m[len(f"model.layers.{int(m.split('.')[2])}."):]
+                              for (m, _, _, _), spec in zip(modules, specs) if spec is not None]]
+                   if modules_in_block_to_quantize else None,
+                   quant_config_files=quant_config_files, extra_config=extra_config,
+                   extra_quant_config=extra_quant_config)
+    return out
+
+
+def _write_quantized(writer: _ShardWriter, name: str, w: np.ndarray, spec: tuple, fmt: str, quant_method: str,
+                     scales_dtype: str, g_idx: np.ndarray | None, pool):
+    bits, group_size, sym, _ = spec
+    q = _quantize(w, bits, group_size, sym, g_idx, pool)
+    scales, _ = _store_float(q.scales.astype(np.float32), scales_dtype)
+    if quant_method == "awq":
+        codes = reference.unpack_rows(q.qweight, 4)  # [K, N]
+        zeros = reference.unpack_cols(_zeros_to_format(q, 4, "gptq_v2"), 4)  # real zeros [R, N]
+        writer.write(f"{name}.qweight", _awq_pack(codes))
+        writer.write(f"{name}.qzeros", _awq_pack(zeros))
+        writer.write(f"{name}.scales", scales)
+        return
+    writer.write(f"{name}.qweight", q.qweight)
+    writer.write(f"{name}.qzeros", _zeros_to_format(q, bits, fmt))
+    writer.write(f"{name}.scales", scales)
+    writer.write(f"{name}.g_idx", q.g_idx.astype(np.int32))
+
+
+def _write_configs(folder: Path, *, family, num_layers, h, i, e_count, top_k, shared_intermediate, n_shared,
+                   first_k_dense_replace, dense_intermediate, bits, group_size, sym, desc_act, fmt, quant_method,
+                   dynamic, dense_dtype, in_block, quant_config_files, extra_config, extra_quant_config):
+    if quant_method == "awq":
+        qcfg = {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
+    else:
+        qcfg = {"bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": sym, "lm_head": False,
+                "quant_method": "gptq", "checkpoint_format": fmt, "pack_dtype": "int32",
+                "meta": {"quantizer": ["cupy_moe.testing"], "damp_percent": 0.01, "static_groups": False,
+                         "true_sequential": True},
+                "model_file_base_name": "model"}
+        if dynamic:
+            qcfg["dynamic"] = dynamic
+        if in_block is not None:
+            qcfg["modules_in_block_to_quantize"] = in_block
+    qcfg = _apply(qcfg, extra_quant_config)
+
+    cfg = {"architectures": [_ARCH[family]], "model_type": family, "hidden_size": h, "num_hidden_layers": num_layers,
+           "num_experts_per_tok": top_k, "hidden_act": "silu", "torch_dtype": {"float32": "float32",
+                                                                               "bfloat16": "bfloat16"}.get(
+                                                                                   dense_dtype, "float16"),
+           "num_attention_heads": 4, "vocab_size": 1000, "rms_norm_eps": 1e-6}
+    if family == "mixtral":
+        cfg.update(intermediate_size=i, num_local_experts=e_count)
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        cfg.update(moe_intermediate_size=i, num_experts=e_count, intermediate_size=dense_intermediate,
+                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=family == "qwen3_moe")
+        if family == "qwen2_moe":
+            cfg["shared_expert_intermediate_size"] = shared_intermediate
+    else:
+        cfg.update(moe_intermediate_size=i, n_routed_experts=e_count, n_shared_experts=n_shared,
+                   intermediate_size=dense_intermediate, first_k_dense_replace=first_k_dense_replace,
+                   moe_layer_freq=1)
+        if family == "deepseek_v2":
+            cfg.update(norm_topk_prob=False, scoring_func="softmax", topk_method="greedy",
+                       routed_scaling_factor=1.0, n_group=1, topk_group=1)
+        else:
+            cfg.update(norm_topk_prob=True, scoring_func="sigmoid", topk_method="noaux_tc",
+                       routed_scaling_factor=2.5, n_group=1, topk_group=1)
+    if quant_config_files in ("both", "config"):
+        cfg["quantization_config"] = qcfg
+    cfg = _apply(cfg, extra_config)
+    with open(folder / "config.json", "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    if quant_config_files in ("both", "quantize_config"):
+        with open(folder / "quantize_config.json", "w") as fh:
+            json.dump(qcfg, fh, indent=2)
+    elif quant_config_files == "quant_config":
+        if quant_method == "awq":  # AutoAWQ's own file and key names
+            qcfg = _apply({"zero_point": True, "q_group_size": group_size, "w_bit": bits, "version": "GEMM"},
+                          extra_quant_config)
+        with open(folder / "quant_config.json", "w") as fh:
+            json.dump(qcfg, fh, indent=2)
+
+
+# --------------------------------------------------------------------------- editing (for bad-input tests)
+
+
+def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | None = None):
+    """Rewrite the safetensors files of a checkpoint folder with some tensors replaced or removed.
+
+    replace: {tensor name: NumPy array} (int32/int64/float16/float32; new names go to the file of the
+    first tensor). remove: tensor names to drop. The index (if any) is rewritten to match.
+    Used by tests to build broken checkpoints (a wrong shape, a missing tensor, experts that differ).
+    """
+    from .checkpoint import _SafetensorsFile  # the header parser; the writer below is this module's own
+
+    folder = Path(path)
+    replace, remove = dict(replace or {}), set(remove or ())
+    index_path = folder / "model.safetensors.index.json"
+    files = sorted(folder.glob("*.safetensors"))
+    weight_map = {}
+    new_names = [n for n in replace]
+    for fpath in files:
+        f = _SafetensorsFile(fpath)
+        try:
+            tensors = {}
+            for name, info in f.tensors.items():
+                if name in remove:
+                    continue
+                if name in replace:
+                    arr = np.ascontiguousarray(replace[name])
+                    dtype = _ST_NAME[arr.dtype.name]
+                    data = arr.tobytes()
+                    shape = arr.shape
+                    new_names.remove(name)
+                else:
+                    dtype, shape = info.dtype, info.shape
+                    data = os.pread(f._fd, info.nbytes, info.start)
+                tensors[name] = (dtype, shape, data)
+        finally:
+            f.close()
+        if fpath == files[0]:
+            for name in list(new_names):
+                arr = np.ascontiguousarray(replace[name])
+                tensors[name] = (_ST_NAME[arr.dtype.name], arr.shape, arr.tobytes())
+                new_names.remove(name)
+        header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
+        for name, (dtype, shape, data) in tensors.items():
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+            offset += len(data)
+            blobs.append(data)
+            weight_map[name] = fpath.name
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        with open(fpath, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)) + raw)
+            for data in blobs:
+                fh.write(data)
+    if index_path.exists():
+        with open(index_path, "w") as fh:
+            json.dump({"metadata": {"total_size": sum(p.stat().st_size for p in files)}, "weight_map": weight_map},
+                      fh, indent=2)

@@ -1,0 +1,141 @@
+// Register-level helpers for the GPTQ MoE GEMM: PTX wrappers (NVRTC ships no cuda_fp16.h, so no header is
+// needed), GPTQ dequantization into mma-ready half2/bf162 pairs, and the m16n8k16 tensor-core op.
+#pragma once
+
+namespace gptq {
+
+typedef unsigned int u32;
+
+// (a & b) | c in one LOP3: builds the fp16 magic number around a masked nibble pair.
+__device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
+
+__device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
+  u32 d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(unsigned short h) { return __uint_as_float(u32(h) << 16); }
+
+// Two floats -> packed pair, lo in the low 16 bits; one rounding each (round to nearest even).
+template <bool kBf16>
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+  u32 d;
+  if constexpr (kBf16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  }
+  return d;
+}
+
+// D += A(16x16, row) * B(16x8, col), fp32 accumulate.
+template <bool kBf16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// ---- dequantization ---------------------------------------------------------------------------------------------
+// One thread holds, for one output column, the 8 codes of k = k0+8t .. k0+8t+7 (t = lane % 4) and returns them
+// as 4 packed pairs ready to be the B operand of two m16n8k16 mmas. The pair order is chosen to be cheap to build;
+// the A operand is permuted to the same k order (the dot product does not care which k goes where, as long as
+// A and B agree).
+//
+// 4-bit GPTQ word (packed along K, nibble j = k0+8t+j, least significant first):
+//     bits 31..28 27..24 23..20 19..16 15..12 11..8 7..4 3..0
+//          k7     k6     k5     k4     k3     k2    k1   k0
+//   (q >> 4i) & 0x000F000F puts k_i in the low half and k_{i+4} in the high half, so the pairs are
+//   P0 = (k0, k4), P1 = (k1, k5), P2 = (k2, k6), P3 = (k3, k7);  mma#0 uses {P0, P1}, mma#1 {P2, P3}.
+// 8-bit GPTQ words w0 = k0..k3, w1 = k4..k7 (byte j = k_j): pairs (k0,k1), (k2,k3), (k4,k5), (k6,k7).
+//
+// fp16: OR-ing a code q < 2048 into the mantissa of 1024.0 (0x6400) gives the half 1024 + q exactly; subtracting
+// 1024 + z (also exact) gives q - z exactly, and one multiply by the scale rounds once: w = fp16((q - z) * s).
+// bf16: 0x4B000000 | q is the float 2^23 + q; subtract 2^23 + z, multiply by the scale in fp32, round once to bf16.
+//
+// s_bits[j], z[j]: fp16 scale bits and real zero of element j (all equal unless act-order g_idx is used).
+
+template <bool kBf16, int kBits>
+__device__ __forceinline__ void dequant8(const u32 (&q)[kBits / 4], const unsigned short (&s_bits)[8],
+                                         const int (&z)[8], u32 (&out)[4]) {
+  if constexpr (!kBf16) {
+    if constexpr (kBits == 4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 codes = and_or(q[0] >> (4 * i), 0x000F000Fu, 0x64006400u);
+        const u32 zz = (0x6400u | u32(z[i])) | ((0x6400u | u32(z[i + 4])) << 16);
+        const u32 ss = u32(s_bits[i]) | (u32(s_bits[i + 4]) << 16);
+        out[i] = hmul2(hsub2(codes, zz), ss);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 codes = prmt(q[i >> 1], 0x64646464u, (i & 1) ? 0x7352u : 0x7150u);
+        const u32 zz = (0x6400u + u32(z[2 * i])) | ((0x6400u + u32(z[2 * i + 1])) << 16);
+        const u32 ss = u32(s_bits[2 * i]) | (u32(s_bits[2 * i + 1]) << 16);
+        out[i] = hmul2(hsub2(codes, zz), ss);
+      }
+    }
+  } else {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const u32 code = kBits == 4 ? (q[0] >> (4 * j)) & 15u : (q[j >> 2] >> (8 * (j & 3))) & 255u;
+      const float qz = __uint_as_float(0x4B000000u | code) - (8388608.0f + float(z[j]));  // exact q - z
+      v[j] = qz * half_bits_to_float(s_bits[j]);
+    }
+    if constexpr (kBits == 4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = pack2<true>(v[i], v[i + 4]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = pack2<true>(v[2 * i], v[2 * i + 1]);
+    }
+  }
+}
+
+// The A operand (16x16 row-major fragment) for the two mmas of one 32-wide k chunk, in the k order above.
+// x, y: the 8 activations k0+8t .. k0+8t+7 of rows g and g+8 (16-byte loads).
+template <int kBits>
+__device__ __forceinline__ void a_operands(const uint4& x, const uint4& y, u32 (&a0)[4], u32 (&a1)[4]) {
+  if constexpr (kBits == 4) {  // pairs (k0,k4), (k1,k5) | (k2,k6), (k3,k7)
+    a0[0] = prmt(x.x, x.z, 0x5410u); a0[1] = prmt(y.x, y.z, 0x5410u);
+    a0[2] = prmt(x.x, x.z, 0x7632u); a0[3] = prmt(y.x, y.z, 0x7632u);
+    a1[0] = prmt(x.y, x.w, 0x5410u); a1[1] = prmt(y.y, y.w, 0x5410u);
+    a1[2] = prmt(x.y, x.w, 0x7632u); a1[3] = prmt(y.y, y.w, 0x7632u);
+  } else {  // pairs (k0,k1), (k2,k3) | (k4,k5), (k6,k7): natural order
+    a0[0] = x.x; a0[1] = y.x; a0[2] = x.y; a0[3] = y.y;
+    a1[0] = x.z; a1[1] = y.z; a1[2] = x.w; a1[3] = y.w;
+  }
+}
+
+}  // namespace gptq

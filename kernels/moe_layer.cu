@@ -1,0 +1,101 @@
+// The small kernels around the two GEMM phases of one MoE layer:
+//   select_experts  router logits [M, E] -> topk_weights [M, A] fp32, topk_ids [M, A] int32
+//   silu_and_mul    gate/up output [P, 2I] -> SiLU(gate) * up [P, I]
+//   moe_sum         down output [M*A, H] (routing weights already applied by the GEMM) -> [M, H]
+// Each mirrors cupy_moe.reference exactly in where it rounds: float32 math, one rounding to T at the end.
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace {
+
+// -inf without <math.h>, which NVRTC does not provide.
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Larger value wins; on equal values the lower expert index wins (the reference's tie rule).
+__device__ __forceinline__ void argmax_step(float& v, int& i, float ov, int oi) {
+  if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+}
+
+}  // namespace
+
+// One warp per token. Probabilities live in shared memory ([WARPS, E] floats), so E <= 1024 fits in
+// 32 KiB for 8 warps; the launcher sizes dynamic shared memory as WARPS * E * 4 bytes.
+// Warp reductions use a fixed butterfly order, so results are bitwise reproducible.
+template <typename T>
+__global__ void select_experts(const T* __restrict__ logits_me, float* __restrict__ weights_ma,
+                               int* __restrict__ ids_ma, int M, int E, int A, int renormalize) {
+  extern __shared__ float probs[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int m = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (m >= M) return;
+  float* p_e = probs + warp * E;
+  const T* row = logits_me + static_cast<long long>(m) * E;
+
+  float mx = neg_inf();
+  for (int e = lane; e < E; e += 32) { p_e[e] = to_float(row[e]); mx = fmaxf(mx, p_e[e]); }
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  float sum = 0.f;
+  for (int e = lane; e < E; e += 32) { p_e[e] = expf(p_e[e] - mx); sum += p_e[e]; }
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  for (int e = lane; e < E; e += 32) p_e[e] = p_e[e] / sum;
+  __syncwarp();
+
+  float picked = 0.f;
+  float w_slot = 0.f;  // lane s keeps the weight of slot s (A <= 32 is checked by the launcher)
+  int id_slot = 0;
+  for (int s = 0; s < A; ++s) {
+    float v = neg_inf();
+    int i = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) argmax_step(v, i, p_e[e], e);
+    for (int o = 16; o > 0; o >>= 1)
+      argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    if (lane == s) { w_slot = v; id_slot = i; }
+    picked += v;
+    __syncwarp();
+    if (lane == (i & 31)) p_e[i] = neg_inf();  // taken: never chosen again
+    __syncwarp();
+  }
+  if (lane < A) {
+    weights_ma[static_cast<long long>(m) * A + lane] = renormalize ? w_slot / picked : w_slot;
+    ids_ma[static_cast<long long>(m) * A + lane] = id_slot;
+  }
+}
+
+// out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T.
+template <typename T>
+__global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi, long long P, int I) {
+  const long long total = P * I;
+  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long p = t / I;
+    const int i = static_cast<int>(t - p * I);
+    const float g = to_float(x_p2i[p * 2 * I + i]);
+    const float u = to_float(x_p2i[p * 2 * I + I + i]);
+    out_pi[t] = from_float<T>(g / (1.0f + expf(-g)) * u);
+  }
+}
+
+// out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T.
+template <typename T>
+__global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, long long M, int A, int H) {
+  const long long total = M * H;
+  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
+       t += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long m = t / H;
+    const int h = static_cast<int>(t - m * H);
+    float acc = 0.f;
+    for (int s = 0; s < A; ++s) acc += to_float(x_pah[(m * A + s) * H + h]);
+    out_mh[t] = from_float<T>(acc);
+  }
+}

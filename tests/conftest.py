@@ -1,0 +1,22 @@
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from cupy_moe._xp import gpu_available
+
+# `ci` keeps the whole suite well under 10 minutes on 2 cores; `dev` digs deeper.
+settings.register_profile("ci", max_examples=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", max_examples=300, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if gpu_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none found (CuPy missing or no device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

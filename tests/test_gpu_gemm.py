@@ -1,0 +1,165 @@
+"""GPU fused_moe_gemm against the float64 reference: random GPTQ tensors, routings, dtypes; determinism; graphs."""
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cupy_moe import configs, reference
+from cupy_moe.align import moe_align_block_size
+from cupy_moe.gemm import fused_moe_gemm
+from cupy_moe.weights import StackedGptqWeight
+
+from tolerances import REL_L2
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        return pytest.importorskip("ml_dtypes").bfloat16
+    return np.float16
+
+
+def make_weight(rng, e, k, n, bits, group_size, sym, act_order):
+    """Random but valid stacked GPTQ tensors (host). Any int32 is a valid word of codes."""
+    glen = k if group_size == -1 else group_size
+    groups = -(-k // glen)
+    qweight = rng.integers(-2**31, 2**31, size=(e, k * bits // 32, n), dtype=np.int64).astype(np.int32)
+    # scale so that outputs are O(1): |q - z| ~ 2^bits / 2.5, sum over K of N(0,1) activations
+    scales = (rng.uniform(0.5, 1.5, size=(e, groups, n)) * 4.0 / (2**bits * np.sqrt(k))).astype(np.float16)
+    qzeros = None if sym else rng.integers(-2**31, 2**31, size=(e, groups, n * bits // 32),
+                                           dtype=np.int64).astype(np.int32)
+    g_idx = None
+    if act_order:
+        g_idx = np.stack([reference.act_order_g_idx(k, glen, rng) for _ in range(e)]).astype(np.int32)
+    return StackedGptqWeight(qweight, scales, qzeros, g_idx, bits=bits, group_size=group_size)
+
+
+def route(rng, m, e, a, kind):
+    if kind == "one":
+        return np.full((m, a), rng.integers(e)).astype(np.int32)
+    if kind == "few":
+        return rng.integers(0, min(e, 2), size=(m, a)).astype(np.int32)
+    if m == 0:
+        return np.zeros((0, a), np.int32)
+    return np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)
+
+
+def run_case(rng, *, e, m, a, k, n, bits, group_size, sym, act_order, dtype_name, routed, kind, block_m=None):
+    dt = _dtype(dtype_name)
+    w = make_weight(rng, e, k, n, bits, group_size, sym, act_order)
+    a_host = rng.standard_normal((m, k)).astype(np.float32).astype(dt)
+    ids = route(rng, m, e, a, kind)
+    tw = rng.uniform(0.1, 1.0, size=(m, a)).astype(np.float32) if routed else None
+    cfg = configs.choose_config(m, e, a, k, n, bits, group_size, block_m=block_m)
+    s, eids, post = moe_align_block_size(cp.asarray(ids), cfg.block_m, e)
+    out = cp.full((m * a, n), np.nan, dtype=dt)  # poison: every row must be written
+    got = fused_moe_gemm(cp.asarray(a_host), w.to_device(), s, eids, post, a,
+                         None if tw is None else cp.asarray(tw), out=out)
+    assert got is out
+    got = cp.asnumpy(got).astype(np.float64)
+    hs, he, hp = (cp.asnumpy(x) for x in (s, eids, post))
+    ref = reference.fused_moe_gemm(a_host.astype(np.float32), w, hs, he, hp, a, tw).astype(np.float64)
+    assert not np.isnan(got).any(), "unwritten or NaN output rows"
+    if ref.size:
+        err = np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30)
+        assert err <= REL_L2[dtype_name], f"relative L2 error {err:.3g} > {REL_L2[dtype_name]}"
+    return got
+
+
+@st.composite
+def cases(draw):
+    e = draw(st.sampled_from([1, 2, 3, 8, 60, 128, 257]))
+    a = draw(st.integers(1, min(e, 8)))
+    m = draw(st.sampled_from([0, 1, 3, 17, 64, 131, 300]))
+    bits = draw(st.sampled_from([4, 8]))
+    k = draw(st.sampled_from([32, 64, 96, 256, 768, 1408] if e <= 8 else [32, 64, 160, 256]))
+    n = draw(st.sampled_from([32, 64, 96, 256, 288] if e <= 8 else [32, 64, 96]))
+    group_size = draw(st.sampled_from([32, 64, 128, -1]))
+    return dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=group_size, sym=draw(st.booleans()),
+                act_order=draw(st.booleans()), dtype_name=draw(st.sampled_from(["float16", "bfloat16"])),
+                routed=draw(st.booleans()), kind=draw(st.sampled_from(["uniform", "one", "few"])),
+                block_m=draw(st.sampled_from([None, 16, 64])), seed=draw(st.integers(0, 2**31)))
+
+
+@given(cases())
+def test_gemm_matches_reference(case):
+    seed = case.pop("seed")
+    run_case(np.random.default_rng(seed), **case)
+
+
+@pytest.mark.parametrize("k,n", [(768, 1536), (1408, 2816), (2048, 1408 * 2), (4096, 256)])
+@pytest.mark.parametrize("m", [1, 33, 512])
+def test_gemm_model_shapes(k, n, m):
+    for bits in (4, 8):
+        run_case(np.random.default_rng(k + n + m), e=8, m=m, a=2, k=k, n=n, bits=bits, group_size=128, sym=True,
+                 act_order=False, dtype_name="float16", routed=True, kind="uniform")
+
+
+def test_gemm_deterministic():
+    rng = np.random.default_rng(1)
+    e, m, a, k, n = 4, 9, 2, 2048, 256  # few experts, long K: split-K active
+    w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    ids = cp.asarray(route(rng, m, e, a, "uniform"))
+    cfg = configs.choose_config(m, e, a, k, n, 4, 128)
+    assert cfg.split_k > 1
+    s, eids, post = moe_align_block_size(ids, cfg.block_m, e)
+    first = fused_moe_gemm(x, w, s, eids, post, a)
+    for _ in range(20):
+        again = fused_moe_gemm(x, w, s, eids, post, a)
+        assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
+
+
+def test_graph_capture_align_and_gemm():
+    rng = np.random.default_rng(2)
+    e, m, a, k, n = 16, 5, 4, 512, 128
+    w = make_weight(rng, e, k, n, 4, 64, True, False).to_device()
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    ids = cp.asarray(route(rng, m, e, a, "uniform"))
+    block = configs.choose_config(m, e, a, k, n, 4, 64).block_m
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        def step():
+            s, eids, post = moe_align_block_size(ids, block, e)
+            return fused_moe_gemm(x, w, s, eids, post, a)
+        eager = step()
+        stream.synchronize()
+        stream.begin_capture()
+        captured = step()
+        graph = stream.end_capture()
+        captured.fill(np.nan)
+        graph.launch(stream)
+        graph.launch(stream)
+        stream.synchronize()
+    assert cp.array_equal(eager.view(cp.uint16), captured.view(cp.uint16))
+
+
+def test_numpy_inputs_run_reference():
+    rng = np.random.default_rng(3)
+    w = make_weight(rng, 2, 64, 32, 4, 32, True, False)
+    x = rng.standard_normal((3, 64)).astype(np.float16)
+    s, eids, post = moe_align_block_size(np.array([[0], [1], [0]]), 16, 2)
+    out = fused_moe_gemm(x, w, s, eids, post, 1)
+    assert isinstance(out, np.ndarray) and out.shape == (3, 32)
+
+
+def test_rejects_bad_shapes_before_launch():
+    rng = np.random.default_rng(4)
+    w = make_weight(rng, 2, 64, 32, 4, 32, True, False).to_device()
+    x = cp.asarray(rng.standard_normal((3, 64)).astype(np.float16))
+    s, eids, post = moe_align_block_size(cp.asarray(np.array([[0], [1], [0]], np.int32)), 16, 2)
+    with pytest.raises(ValueError, match="K = 64"):
+        fused_moe_gemm(x[:, :32].copy(), w, s, eids, post, 1)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        fused_moe_gemm(x.astype(cp.float32), w, s, eids, post, 1)
+    s8, e8, p8 = moe_align_block_size(cp.asarray(np.array([[0], [1], [0]], np.int32)), 8, 2)
+    with pytest.raises(ValueError, match="block size B"):
+        fused_moe_gemm(x, w, s8, e8, p8, 1)
+    with pytest.raises(ValueError, match="out"):
+        fused_moe_gemm(x, w, s, eids, post, 1, out=cp.zeros((3, 16), cp.float16))
+    odd = StackedGptqWeight(  # G = 48 is not a multiple of 32
+        cp.zeros((2, 12, 32), cp.int32), cp.zeros((2, 2, 32), cp.float16), None, None,
+                            bits=4, group_size=48)
+    with pytest.raises(ValueError, match="group_size"):
+        fused_moe_gemm(cp.zeros((3, 96), cp.float16), odd, s, eids, post, 1)
