@@ -39,6 +39,16 @@ PY
   summary+=("memcheck rc=$? :: $(grep -E 'ERROR SUMMARY|fuzz batch ok' "$OUT/memcheck.log" | tr '\n' ' ')")
 fi
 
+if [[ $STAGES == *sweep* ]]; then
+  timeout ${SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_tiles.py > "$OUT/sweep.txt" 2>&1
+  summary+=("sweep rc=$?")
+  W=$(grep '^winners' "$OUT/sweep.txt" | tail -n 1)
+  if [[ -n $W ]]; then
+    D=${W#*decode=}; D=${D%% *}; P=${W#*prefill=}
+    BENCH_ARGS="${BENCH_ARGS:-} --decode-tile $D --prefill-tile $P"
+  fi
+fi
+
 if [[ $STAGES == *bench* ]]; then
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
     > "$OUT/bench.txt" 2>&1
@@ -48,5 +58,6 @@ fi
 echo "==================== summary"
 cat "$OUT/gpu.txt"
 grep -E "passed|failed|Error|error" "$OUT/tests.log" 2>/dev/null | tail -n 15
+[[ -f "$OUT/sweep.txt" ]] && grep -v "^#" "$OUT/sweep.txt" | tail -n 40
 [[ -f "$OUT/bench.txt" ]] && cat "$OUT/bench.txt" | tail -n 110
 printf '%s\n' "${summary[@]}"

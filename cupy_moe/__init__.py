@@ -6,9 +6,9 @@ I expert intermediate size, P = M * A (token, expert) pairs.
 """
 from . import reference
 from .align import moe_align_block_size
-from .checkpoint import inspect_checkpoint, load_moe_layer, load_moe_model
+from .checkpoint import inspect_checkpoint
 from .gemm import fused_moe_gemm
-from .layer import MoELayer, fused_moe, select_experts
+from .layer import MoELayer, fused_moe, load_moe_layer, load_moe_model, select_experts
 from .weights import StackedGptqWeight
 from ._xp import gpu_available
 

@@ -29,45 +29,16 @@ def _rel_l2(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _dense_check(layer, x) -> np.ndarray:
-    """The layer's routed + shared output computed densely from dequantized weights (float64), for the CPU demo."""
-    from . import reference
-    w = layer.weights
-    weights, ids = layer.route(x)
-
-    def deq(s, e):
-        return reference.dequantize(s.qweight[e], s.scales[e], s.qzeros[e] if s.qzeros is not None else None,
-                                    s.g_idx[e] if s.g_idx is not None else None, bits=s.bits,
-                                    group_size=s.group_size, checkpoint_format="gptq_v2").astype(np.float64)
-
-    def mlp(xrow, w13, w2, e):
-        h = xrow @ deq(w13, e)
-        i = h.shape[-1] // 2
-        return (h[..., :i] / (1 + np.exp(-h[..., :i])) * h[..., i:]) @ deq(w2, e)
-
-    xf = x.astype(np.float64)
-    out = np.zeros((x.shape[0], w.hidden_size))
-    for m in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            out[m] += weights[m, s] * mlp(xf[m], w.w13, w.w2, int(ids[m, s]))
-    if w.shared is not None:
-        shared = mlp(xf, w.shared.gate_up, w.shared.down, 0)
-        if w.shared_gate_weight is not None:
-            shared = shared / (1 + np.exp(-(xf @ w.shared_gate_weight.astype(np.float64).T)))
-        out += shared
-    return out
-
-
 def _demo_cpu(args, folder):
     from . import MoELayer
-    from .testing import write_checkpoint
+    from .testing import dense_layer_output, write_checkpoint
     spec = MODELS["tiny"] if args.model is None else MODELS[args.model]
     t0 = time.perf_counter()
     write_checkpoint(folder, num_layers=1, return_weights=False, seed=args.seed, **spec)
     layer = MoELayer.from_checkpoint(folder, 0, device=False)
     x = np.random.default_rng(args.seed).standard_normal((args.tokens, spec["hidden"])).astype(np.float16)
     y = layer(x)
-    err = _rel_l2(y, _dense_check(layer, x))
+    err = _rel_l2(y, dense_layer_output(layer, x))
     print(f"model {args.model or 'tiny'} ({spec['family']}): H={spec['hidden']} I={spec['intermediate']} "
           f"E={spec['num_experts']} A={spec['top_k']} G={spec['group_size']}, {args.tokens} tokens, NumPy path")
     print(f"check: relative L2 error vs dense float64 on dequantized weights = {err:.2e} (bar 1e-3)")

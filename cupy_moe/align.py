@@ -81,7 +81,7 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
     idt = "int" if ids.dtype == np.int32 else "long long"
     i32 = np.int32
     if p <= _FUSED_MAX_PAIRS:
-        warps = max(1, min(32, _FUSED_SMEM_INTS // e, -(-p // 32)))
+        warps = max(1, min(32, (_FUSED_SMEM_INTS - 2 * (e + 1) - 32) // e, -(-p // 32)))
         smem = 4 * (warps * e + 2 * (e + 1) + 32)
         kern = _compile.get_kernel(_FILE, f"moe_align_fused<{idt}>")
         kern((1,), (32 * warps,), (ids, i32(p), i32(e), i32(b), i32(capacity), sorted_ids, expert_ids, post_padded),

@@ -320,9 +320,13 @@ class _TensorIndex:
                                     f"model.safetensors and *.safetensors)")
         self.source = ", ".join(p.name for p in files)
         self.weight_map = {}
-        for p in files:  # no index: the headers are the index (header-only reads)
-            for name in self.file(p.name).tensors:
-                self.weight_map[name] = p.name
+        try:
+            for p in files:  # no index: the headers are the index (header-only reads)
+                for name in self.file(p.name).tensors:
+                    self.weight_map[name] = p.name
+        except BaseException:
+            self.close()
+            raise
 
     def names(self):
         return self.weight_map.keys()
@@ -425,6 +429,8 @@ def _refuse(source: str, setting: str, why: str):
 
 
 def _check_bits_gs(source: str, bits, group_size, where: str = ""):
+    if bits is None:
+        raise ValueError(f"{source}: {where}bits: missing (expected 2, 3, 4 or 8)")
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4, 8):
         extra = " (5-7 bits exist only in GPTQModel's planar gptq_p layout)" if bits in (5, 6, 7) else ""
         _refuse(source, f"{where}bits={bits!r}", f"GPTQ checkpoints here have bits 2, 3, 4 or 8{extra}")
@@ -435,7 +441,8 @@ def _check_bits_gs(source: str, bits, group_size, where: str = ""):
 def _parse_quant_config(raw: dict, source: str) -> _QuantConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
-    method = str(raw.get("quant_method") or raw.get("method") or "gptq").lower()
+    autoawq = "w_bit" in raw or "q_group_size" in raw  # AutoAWQ's own quant_config.json names no method
+    method = str(raw.get("quant_method") or raw.get("method") or ("awq" if autoawq else "gptq")).lower()
     if method == "awq":
         bits = raw.get("bits", raw.get("w_bit"))
         group_size = raw.get("group_size", raw.get("q_group_size"))
@@ -572,7 +579,7 @@ class _Checkpoint:
         scheme = SCHEMES[family]
         # The config's family must name the tensors the way the checkpoint does.
         if from_tensors is not None and SCHEMES[from_tensors].experts != scheme.experts:
-            example = next(n for n in self.index.names() if ".experts." in n)
+            example = next((n for n in self.index.names() if "experts." in n), "?")
             raise ValueError(f"config.json says {said}, whose experts are named like "
                              f"'{scheme.expert_module(0, 0, scheme.gate_proj)}', but the checkpoint's tensors "
                              f"follow the {from_tensors} naming (e.g. '{example}'); pass scheme=... if intended")
@@ -939,9 +946,9 @@ def _load_plan(ckpt: _Checkpoint, plan: _Plan, device: bool):
     half = 1 << (q.bits - 1)
     qzeros = None if (zeros == half).all() else _pack_last(zeros, q.bits)  # symmetric -> None
     del zeros
-    weight = StackedGptqWeight(qweight, scales, qzeros, g_idx, q.bits, q.group_size)
+    weight = StackedGptqWeight(qweight, scales, qzeros, g_idx, q.bits, q.group_size)  # validated on the host
     if device:
-        weight = weight.to_device()  # one H2D copy per stacked tensor
+        weight = StackedGptqWeight(*(_put(x, True) for x in (qweight, scales, qzeros, g_idx)), q.bits, q.group_size)
     return weight, _put(bias, device)
 
 
@@ -978,9 +985,14 @@ def _awq_qweight_into(f: _SafetensorsFile, info: _TensorInfo, out: np.ndarray):
 
 
 def _put(x, device: bool):
+    """x on the device: one host-to-device copy straight from x's pages. (cupy.asarray would stage through
+    CuPy's pinned-memory pool, which then keeps a pinned copy of the largest tensor cached in the process.)"""
     if x is None or not device:
         return x
-    return _xp.require_gpu("loading onto the device").asarray(x)
+    cupy = _xp.require_gpu("loading onto the device")
+    out = cupy.empty(x.shape, x.dtype)
+    out.set(np.ascontiguousarray(x))
+    return out
 
 
 # --------------------------------------------------------------------------- public: stacked projections
@@ -1114,13 +1126,9 @@ class MoELayerWeights:
     def nbytes(self) -> int:
         """Bytes of every array held (packed weights, scales, zeros, g_idx, router, biases, shared)."""
         def size(x):
-            if x is None:
-                return 0
-            if isinstance(x, (StackedGptqWeight,)):
-                return x.nbytes
             if isinstance(x, SharedExpertWeights):
                 return sum(size(getattr(x, f)) for f in ("gate_up", "down", "gate_up_bias", "down_bias"))
-            return int(x.nbytes)
+            return int(x.nbytes) if hasattr(x, "nbytes") else 0  # arrays and StackedGptqWeight
         return sum(size(getattr(self, f.name)) for f in dataclasses.fields(self))
 
 
@@ -1182,6 +1190,9 @@ def _load_layer(ckpt: _Checkpoint, layer: int, device: bool) -> MoELayerWeights:
     if device:
         _xp.require_gpu("load_moe_layer(device=True)")
     router_name = s.router.format(layer=layer)
+    if ckpt.tensor(router_name + ".qweight") is not None:
+        raise ValueError(f"{ckpt.tensor(router_name + '.qweight')[0].label}: the router '{router_name}' is quantized "
+                         f"('.qweight'); cupy_moe expects a dense router '{router_name}.weight' [E, H]")
     _expect(ckpt, router_name + ".weight", _FLOATS, (e_count, h), f"router [E, H], E={e_count}, H={h}")
     sbias = s.score_bias.format(layer=layer) if s.score_bias else None
     if sbias:

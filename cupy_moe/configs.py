@@ -1,17 +1,19 @@
 """Tile choice for the fused GPTQ MoE GEMM, in one place.
 
-Two kernel shapes earn their place (see docs/performance.md):
+Two kernel shapes earn their place (measured on an H200 by benchmarks/sweep_tiles.py, see docs/performance.md):
 
 - decode (`block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks (128 k) per
-  pipeline stage so each lane keeps 64 bytes of weights in flight; split-K fills the 132 SMs when only a few
-  experts are touched (M <= 64). Memory-bound: the weights are read once.
+  pipeline stage, a 2-stage cp.async weight ring; split-K fills the 132 SMs when only a few experts are touched.
+  Deeper rings (4 or 6 stages) and 2-chunk stages measured the same within 3%: this path is bound by
+  instructions per weight byte (dequantization), not by bytes in flight.
 - prefill (`block_m` 64): 2x2 warps of 32 rows x 64 columns; each dequantized weight fragment feeds 2 m16 tiles
-  and each activation fragment 8 n8 tiles. Compute-bound.
+  and each activation fragment 8 n8 tiles. It beat 4x1 warps of 64 rows (which dequantizes each fragment once
+  but holds 205 registers) by 5-15% in the sweep.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A. r <= 24 -> decode, else prefill (an expert
 with more rows than that wastes little of a 64-row tile and reuses each dequantized weight 4x more).
-split_k: the fewest slices that give at least ~4 CTAs per SM (the occupancy that keeps enough bytes in flight),
-each slice keeping at least 2 pipeline stages of K, at most 16.
+split_k: the fewest slices that give at least ~4 CTAs per SM, each slice keeping at least 2 stages of K, at
+most 16 (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs).
 `block_m` is the align block size the layer must pass to `moe_align_block_size`.
 """
 from __future__ import annotations
@@ -30,13 +32,15 @@ class GemmConfig:
     """Template parameters of one `moe_gemm` instance plus the run-time split-K factor.
 
     block_m = warps_m * mt * 16 rows of one expert per CTA (= the align block size B);
-    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage.
+    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage; stages = depth of the
+    cp.async weight ring (stages - 1 stages in flight while one computes).
     """
     mt: int
     warps_m: int
     warps_n: int
     ng: int
     ku: int
+    stages: int = 4
     split_k: int = 1
 
     @property
@@ -54,11 +58,11 @@ class GemmConfig:
     def name_expression(self, bf16: bool, bits: int, act_order: bool) -> str:
         b = lambda flag: "true" if flag else "false"
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{b(act_order)}>")
+                f"{self.stages}, {b(act_order)}>")
 
 
-DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4)
-PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1)
+DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
+PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4)
 KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 

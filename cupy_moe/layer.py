@@ -24,7 +24,7 @@ from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
 from .weights import StackedGptqWeight
 
-__all__ = ["select_experts", "fused_moe", "MoELayer"]
+__all__ = ["select_experts", "fused_moe", "MoELayer", "CapturedForward", "load_moe_layer", "load_moe_model"]
 
 _FILE = "moe_layer.cu"
 _THREADS = 256
@@ -209,8 +209,8 @@ class MoELayer:
     @classmethod
     def from_checkpoint(cls, path, layer, *, device=True, scheme=None):
         """Load layer `layer` of the checkpoint folder `path` (see `cupy_moe.load_moe_layer`)."""
-        from .checkpoint import load_moe_layer
-        return cls(load_moe_layer(path, layer, device=device, scheme=scheme))
+        from .checkpoint import load_moe_layer as load_weights
+        return cls(load_weights(path, layer, device=device, scheme=scheme))
 
     def _check_input(self, x):
         w = self.weights
@@ -325,3 +325,24 @@ class CapturedForward:
         """Launch the graph on its stream and return `out` (synchronize or use the stream before reading)."""
         self.graph.launch(stream=self.stream)
         return self.out
+
+
+def load_moe_layer(path, layer, *, device=True, scheme=None) -> MoELayer:
+    """A callable `MoELayer` for decoder layer `layer` of the checkpoint folder `path`.
+
+    device: True puts the weights on the GPU (bits 4 and 8), False keeps them in NumPy (the reference path).
+    scheme: a `cupy_moe.checkpoint.NamingScheme` for a family that is not detected automatically.
+    The loaded arrays are in `.weights` (a `cupy_moe.checkpoint.MoELayerWeights`).
+    """
+    return MoELayer.from_checkpoint(path, layer, device=device, scheme=scheme)
+
+
+def load_moe_model(path, *, device=True, progress=None, scheme=None, layers=None) -> dict:
+    """{layer index: MoELayer} for every MoE layer of a checkpoint (dense layers skipped).
+
+    progress: None shows a progress line on stderr when it is a terminal; True/False force it; a callable is
+    called as progress(done, total, layer). layers: only these indices. Other arguments as `load_moe_layer`.
+    """
+    from .checkpoint import load_moe_model as load_weights
+    loaded = load_weights(path, device=device, progress=progress, scheme=scheme, layers=layers)
+    return {index: MoELayer(weights) for index, weights in loaded.items()}

@@ -21,9 +21,10 @@ import math
 import os
 import re
 import struct
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 
@@ -37,7 +38,7 @@ _ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "q
          "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # NumPy dtype name -> safetensors dtype name. bfloat16 is written from uint16 bit patterns.
 _ST_NAME = {"int32": "I32", "float16": "F16", "float32": "F32", "bfloat16": "BF16", "int64": "I64"}
-_QUANT_CHUNK = 512  # columns per reference.quantize call: cache-sized, and the chunks run on threads
+_QUANT_CHUNK = 512  # columns per reference.quantize call (a multiple of 32: whole qzeros words for any bits)
 _AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AWQ GEMM: nibble i of a word holds column 8c + _AWQ_ORDER[i]
 _V1_WORD_ADD = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
 
@@ -75,14 +76,14 @@ def _match_dynamic(dynamic: dict | None, name: str):
     return None
 
 
-def _quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, g_idx, pool) -> reference.QuantizedLinear:
-    """reference.quantize over column chunks (columns quantize independently; results are bit-identical)."""
+def _quantize(w: np.ndarray, bits: int, group_size: int, sym: bool, g_idx) -> reference.QuantizedLinear:
+    """reference.quantize over column chunks: columns quantize independently, so the result is bit-identical,
+    and cache-sized chunks run several times faster than one call on a [4096, 14336] matrix."""
     n = w.shape[1]
     if n <= _QUANT_CHUNK:
         return reference.quantize(w, bits=bits, group_size=group_size, sym=sym, g_idx=g_idx)
-    starts = range(0, n, _QUANT_CHUNK)
-    parts = list(pool.map(lambda c: reference.quantize(np.ascontiguousarray(w[:, c:c + _QUANT_CHUNK]), bits=bits,
-                                                       group_size=group_size, sym=sym, g_idx=g_idx), starts))
+    parts = [reference.quantize(np.ascontiguousarray(w[:, c:c + _QUANT_CHUNK]), bits=bits, group_size=group_size,
+                                sym=sym, g_idx=g_idx) for c in range(0, n, _QUANT_CHUNK)]
     cat = lambda key: np.concatenate([getattr(p, key) for p in parts], axis=1)  # noqa: E731
     return reference.QuantizedLinear(cat("qweight"), cat("qzeros"), cat("scales"), parts[0].g_idx,
                                      parts[0].checkpoint_format)
@@ -192,7 +193,7 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
                      weight_std: float = 0.02) -> dict:
     """Write a GPTQ (or AWQ GEMM) MoE checkpoint folder and return the float weights it quantized.
 
-    path: folder to create (may exist; files are overwritten).
+    path: folder to create; if it exists, its *.safetensors and *.json files are deleted first (no stale shards).
     family: "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2" or "deepseek_v3" (names and config keys).
     num_layers, hidden H, intermediate I (per expert), num_experts E, top_k A: model sizes.
     bits 2/3/4/8, group_size G or -1, sym, desc_act (act-order: a permuted, non-monotone g_idx per module).
@@ -327,39 +328,57 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     for tname, kind, shape in extras:
         plan.append((tname, "float32" if kind == "score_bias" else dense_dtype, shape))
 
+    # Every module draws from its own generator: results do not depend on which thread ran what.
+    seeds = np.random.SeedSequence(seed).spawn(len(modules) + 1)
+    rng = np.random.default_rng(seeds[-1])
+    g_idxs, act_orders = [], {}  # gate and up of one MLP share their inputs, hence their act-order g_idx
+    for (name, k, n, role), spec in zip(modules, specs):
+        g_idx = None
+        if spec is not None and spec[3] and spec[1] != -1 and quant_method == "gptq":  # desc_act with groups
+            shared_key = name.rsplit(".", 1)[1] in (gate, up) and same_gate_up_g_idx
+            key = (name.rsplit(".", 1)[0], k, spec[1]) if shared_key else name
+            if key not in act_orders:
+                act_orders[key] = reference.act_order_g_idx(k, spec[1], rng)
+            g_idx = act_orders[key]
+        g_idxs.append(g_idx)
+
+    def make(j):
+        """The tensors of module j in plan order, and its float values (runs on a worker thread)."""
+        name, k, n, role = modules[j]
+        spec, mrng = specs[j], np.random.default_rng(seeds[j])
+        w = mrng.standard_normal((k, n), dtype=np.float32) * np.float32(weight_std)  # [K, N]
+        values = {}
+        if spec is None:
+            stored, dense_values = _store_float(w.T, dense_dtype)  # nn.Linear.weight [N, K]
+            tensors = {f"{name}.weight": stored}
+            values[name] = np.ascontiguousarray(dense_values.T)
+        else:
+            tensors = _quantized_tensors(name, w, spec, fmt, quant_method, scales_dtype, g_idxs[j])
+            values[name] = w
+        if f"{name}.bias" in writer.where:
+            b = (mrng.standard_normal(n, dtype=np.float32) * np.float32(0.1) if (bias and role == "expert")
+                 else np.zeros(n, np.float32)).astype(np.float16)
+            tensors[f"{name}.bias"] = b
+            values[f"{name}.bias"] = b.astype(np.float32)
+        return tensors, values if return_weights else {}
+
     writer = _ShardWriter(folder, plan, num_shards, file_name)
-    rng = np.random.default_rng(seed)
     out = {}
-    act_orders = {}  # gate and up of one MLP share their inputs, hence their act-order g_idx
     try:
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            for (name, k, n, role), spec in zip(modules, specs):
-                w = rng.standard_normal((k, n), dtype=np.float32) * np.float32(weight_std)  # [K, N]
-                if spec is None:
-                    stored, values = _store_float(w.T, dense_dtype)  # nn.Linear.weight [N, K]
-                    writer.write(f"{name}.weight", stored)
-                    if return_weights:
-                        out[name] = np.ascontiguousarray(values.T)
-                else:
-                    g_idx = None
-                    if spec[3] and spec[1] != -1:  # desc_act with groups
-                        proj = name.rsplit(".", 1)[1]
-                        key = (name.rsplit(".", 1)[0], k, spec[1]) if (proj in (gate, up) and same_gate_up_g_idx) \
-                            else name
-                        if key not in act_orders:
-                            act_orders[key] = reference.act_order_g_idx(k, spec[1], rng)
-                        g_idx = act_orders[key]
-                    _write_quantized(writer, name, w, spec, fmt, quant_method, scales_dtype, g_idx, pool)
-                    if return_weights:
-                        out[name] = w
-                if f"{name}.bias" in writer.where:
-                    vals = (np.zeros(n, np.float32) if not (bias and role == "expert")
-                            else rng.standard_normal(n, dtype=np.float32) * np.float32(0.1))
-                    stored = vals.astype(np.float16)
-                    writer.write(f"{name}.bias", stored)
-                    if return_weights:
-                        out[f"{name}.bias"] = stored.astype(np.float32)
-                del w
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = max(1, min(8, cpus))  # each in-flight module holds its float W
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            # At most `workers` modules in flight (memory), written strictly in plan order.
+            pending = deque(pool.submit(make, j) for j in range(min(workers, len(modules))))
+            upcoming = len(pending)
+            while pending:
+                tensors, values = pending.popleft().result()
+                if upcoming < len(modules):
+                    pending.append(pool.submit(make, upcoming))
+                    upcoming += 1
+                for tname, array in tensors.items():
+                    writer.write(tname, array)
+                out.update(values)
         for tname, kind, shape in extras:
             vals = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1) if kind == "score_bias"
                     else np.ones(shape, np.float32))
@@ -383,22 +402,18 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     return out
 
 
-def _write_quantized(writer: _ShardWriter, name: str, w: np.ndarray, spec: tuple, fmt: str, quant_method: str,
-                     scales_dtype: str, g_idx: np.ndarray | None, pool):
+def _quantized_tensors(name: str, w: np.ndarray, spec: tuple, fmt: str, quant_method: str, scales_dtype: str,
+                       g_idx: np.ndarray | None) -> dict:
+    """{tensor name: array} of one quantized module, in plan order (qweight, qzeros, scales[, g_idx])."""
     bits, group_size, sym, _ = spec
-    q = _quantize(w, bits, group_size, sym, g_idx, pool)
+    q = _quantize(w, bits, group_size, sym, g_idx)
     scales, _ = _store_float(q.scales.astype(np.float32), scales_dtype)
     if quant_method == "awq":
         codes = reference.unpack_rows(q.qweight, 4)  # [K, N]
         zeros = reference.unpack_cols(_zeros_to_format(q, 4, "gptq_v2"), 4)  # real zeros [R, N]
-        writer.write(f"{name}.qweight", _awq_pack(codes))
-        writer.write(f"{name}.qzeros", _awq_pack(zeros))
-        writer.write(f"{name}.scales", scales)
-        return
-    writer.write(f"{name}.qweight", q.qweight)
-    writer.write(f"{name}.qzeros", _zeros_to_format(q, bits, fmt))
-    writer.write(f"{name}.scales", scales)
-    writer.write(f"{name}.g_idx", q.g_idx.astype(np.int32))
+        return {f"{name}.qweight": _awq_pack(codes), f"{name}.qzeros": _awq_pack(zeros), f"{name}.scales": scales}
+    return {f"{name}.qweight": q.qweight, f"{name}.qzeros": _zeros_to_format(q, bits, fmt),
+            f"{name}.scales": scales, f"{name}.g_idx": q.g_idx.astype(np.int32)}
 
 
 def _write_configs(folder: Path, *, family, num_layers, h, i, e_count, top_k, shared_intermediate, n_shared,
@@ -460,11 +475,13 @@ def _write_configs(folder: Path, *, family, num_layers, h, i, e_count, top_k, sh
 # --------------------------------------------------------------------------- editing (for bad-input tests)
 
 
-def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | None = None):
-    """Rewrite the safetensors files of a checkpoint folder with some tensors replaced or removed.
+def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | None = None,
+                    rename: Callable[[str], str] | None = None):
+    """Rewrite the safetensors files of a checkpoint folder with some tensors replaced, removed or renamed.
 
     replace: {tensor name: NumPy array} (int32/int64/float16/float32; new names go to the file of the
-    first tensor). remove: tensor names to drop. The index (if any) is rewritten to match.
+    first tensor). remove: tensor names to drop. rename: maps every remaining tensor name to its new name
+    (applied last). The index (if any) is rewritten to match.
     Used by tests to build broken checkpoints (a wrong shape, a missing tensor, experts that differ).
     """
     from .checkpoint import _SafetensorsFile  # the header parser; the writer below is this module's own
@@ -501,6 +518,7 @@ def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | Non
                 new_names.remove(name)
         header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
         for name, (dtype, shape, data) in tensors.items():
+            name = rename(name) if rename else name
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
             offset += len(data)
             blobs.append(data)
@@ -515,3 +533,39 @@ def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | Non
         with open(index_path, "w") as fh:
             json.dump({"metadata": {"total_size": sum(p.stat().st_size for p in files)}, "weight_map": weight_map},
                       fh, indent=2)
+
+
+def dense_layer_output(layer, x) -> np.ndarray:
+    """A MoE layer's output in float64 by plain loops over tokens and slots, on dequantized weights.
+
+    layer: a `cupy_moe.MoELayer` with NumPy weights (its `route` picks the experts; routing is tested on its
+    own). x: [M, H]. Returns float64 [M, H]: the independent check used by the tests and the demo.
+    """
+    w = layer.weights
+
+    def matrix(stacked, e):  # [K, N] float64 of expert e
+        if not hasattr(stacked, "qweight"):
+            return np.asarray(stacked[e], np.float64)
+        return reference.dequantize(
+            stacked.qweight[e], stacked.scales[e], None if stacked.qzeros is None else stacked.qzeros[e],
+            None if stacked.g_idx is None else stacked.g_idx[e], bits=stacked.bits,
+            group_size=stacked.group_size, checkpoint_format="gptq_v2").astype(np.float64)
+
+    def mlp(row, w13, w2, b13, b2, e):  # one expert on one token: down(SiLU(gate) * up)
+        h = row @ matrix(w13, e) + (0 if b13 is None else b13[e])
+        i = h.shape[0] // 2
+        return (h[:i] / (1 + np.exp(-h[:i])) * h[i:]) @ matrix(w2, e) + (0 if b2 is None else b2[e])
+
+    weights, ids = layer.route(x)
+    xf = np.asarray(x, np.float64)
+    out = np.zeros((x.shape[0], w.hidden_size))
+    for m in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            out[m] += weights[m, s] * mlp(xf[m], w.w13, w.w2, w.w13_bias, w.w2_bias, int(ids[m, s]))
+        if w.shared is not None:
+            sh = w.shared
+            shared = mlp(xf[m], sh.gate_up, sh.down, sh.gate_up_bias, sh.down_bias, 0)
+            if w.shared_gate_weight is not None:
+                shared /= 1 + np.exp(-(xf[m] @ np.asarray(w.shared_gate_weight, np.float64)[0]))
+            out[m] += shared
+    return out

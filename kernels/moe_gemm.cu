@@ -24,7 +24,7 @@
 
 using gptq::u32;
 
-template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, bool kActOrder>
+template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, bool kActOrder>
 __global__ void __launch_bounds__(WM * WN * 32)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -98,9 +98,40 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
 
   // One stage = KU chunks of 32 k: activations, weight words, and (without act-order) scales and zeros.
+  // Weights: a lane-private ring of STAGES stages in shared memory filled by cp.async (16 bytes per lane and
+  // request, no register cost while in flight, so many stages stay in flight). Each lane reads back only what it
+  // copied, so no barrier is needed. Slot layout [stage][word][lane]: a warp touches 512 contiguous bytes.
+  constexpr int THREADS = WM * WN * 32;
+  constexpr int WORDS = KU * NG * WPR;
+  // 8-bit stages hold twice the bytes: half as many (at least 2, so loads overlap compute) keep the bytes in
+  // flight and the ring under the 48 KiB static shared-memory limit.
+  constexpr int NST = kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
+  __shared__ uint4 ring[NST * WORDS * THREADS];
+  auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* {
+    return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x;
+  };
+  auto issue_weights = [&](int stage, int c0) {
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int c = c0 + u;
+      const int k0 = c * 32;
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        const bool ok = c < c_end && n_ok[ng];
+#pragma unroll
+        for (int r = 0; r < WPR; ++r) {
+          const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
+                              : qw_e;
+          gptq::cp_async16(ring_slot(stage, u, ng, r), src, ok);
+        }
+      }
+    }
+    gptq::cp_async_commit();
+  };
+
+  // Activations, scales and zeros: registers, one stage ahead.
   struct Stage {
     uint4 x[KU][MT][2];
-    uint4 w[KU][NG][WPR];
     uint2 s[KU][NG];
     u32 z[KU][NG];
   };
@@ -120,11 +151,6 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
         const bool ok = in && n_ok[ng];
-#pragma unroll
-        for (int r = 0; r < WPR; ++r)
-          st.w[u][ng][r] = ok ? __ldg(reinterpret_cast<const uint4*>(
-                                    qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g))
-                              : make_uint4(0, 0, 0, 0);
         if constexpr (!kActOrder) {
           st.s[u][ng] = ok ? __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 4 * g))
                            : make_uint2(0, 0);
@@ -136,7 +162,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  auto compute = [&](const Stage& st, int c0) {
+  auto compute = [&](const Stage& st, int stage, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int c = c0 + u;
@@ -186,12 +212,15 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
             }
           }
         }
+        uint4 wq[WPR];
+#pragma unroll
+        for (int r = 0; r < WPR; ++r) wq[r] = *ring_slot(stage, u, ng, r);
 #pragma unroll
         for (int col = 0; col < 4; ++col) {
           u32 q[WPR];
 #pragma unroll
           for (int r = 0; r < WPR; ++r) {
-            const uint4& w = st.w[u][ng][r];
+            const uint4 w = wq[r];
             q[r] = col == 0 ? w.x : col == 1 ? w.y : col == 2 ? w.z : w.w;
           }
           u32 b[4];
@@ -206,14 +235,21 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // Register double buffering: the next stage's loads are in flight while this stage computes.
+  // Pipeline: STAGES-1 weight stages in flight ahead of the one computed; activations one stage ahead.
+#pragma unroll
+  for (int s = 0; s < NST - 1; ++s) issue_weights(s, c_begin + s * KU);
   Stage cur, nxt;
   load(cur, c_begin);
+  int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
+    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-fill, no read
     if (c0 + KU < c_end) load(nxt, c0 + KU);
-    compute(cur, c0);
+    gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
+    compute(cur, stage, c0);
     cur = nxt;
+    stage = (stage + 1) % NST;
   }
+  gptq::cp_async_wait<0>();
 
   // ---- epilogue: lane holds rows g, g+8 of each m tile x real columns n0 + 8t .. n0 + 8t + 7
   auto row_values = [&](int mt, int h, int ng, float (&v)[8]) {

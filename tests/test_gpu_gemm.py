@@ -53,7 +53,7 @@ def run_case(rng, *, e, m, a, k, n, bits, group_size, sym, act_order, dtype_name
     tw = rng.uniform(0.1, 1.0, size=(m, a)).astype(np.float32) if routed else None
     cfg = configs.choose_config(m, e, a, k, n, bits, group_size, block_m=block_m)
     s, eids, post = moe_align_block_size(cp.asarray(ids), cfg.block_m, e)
-    out = cp.full((m * a, n), np.nan, dtype=dt)  # poison: every row must be written
+    out = cp.asarray(np.full((m * a, n), np.nan, dtype=dt))  # poison: every row must be written
     got = fused_moe_gemm(cp.asarray(a_host), w.to_device(), s, eids, post, a,
                          None if tw is None else cp.asarray(tw), out=out)
     assert got is out
@@ -124,6 +124,8 @@ def test_graph_capture_align_and_gemm():
             s, eids, post = moe_align_block_size(ids, block, e)
             return fused_moe_gemm(x, w, s, eids, post, a)
         eager = step()
+        del_me = step()  # a second eager call leaves pool blocks of every size the capture will ask for
+        del del_me
         stream.synchronize()
         stream.begin_capture()
         captured = step()

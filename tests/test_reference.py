@@ -316,6 +316,12 @@ def test_quantize_dequantize_error_at_most_half_a_step(case):
     err = np.abs(deq.astype(np.float64) - w64)
     checked = ~quirk[groups]  # [K, N]
     assert np.all(err[checked] <= bound[groups][checked]), float(np.max((err - bound[groups])[checked]))
+    # Codes strictly inside (0, maxq) were not clamped: there the bound is exactly half a stored step
+    # (unless the scale underflowed fp16 to 0, where codes fall back to the exact scale and read back as 0).
+    codes = ref.unpack_rows(quant.qweight, bits)
+    inside = (codes > 0) & (codes < maxq) & (s16[groups] > 0)
+    half = s16[groups] / 2 * (1 + 1e-9)
+    assert np.all(err[inside] <= half[inside]), float(np.max((err - half)[inside]))
 
 
 def test_quantize_sym_nonnegative_group_quirk():

@@ -1,0 +1,136 @@
+"""The whole MoE layer on the GPU against the NumPy path, select_experts, CUDA graph replay, DLPack interop."""
+import numpy as np
+import pytest
+
+import cupy_moe
+from cupy_moe import reference
+from cupy_moe.layer import fused_moe, select_experts
+from cupy_moe.testing import dense_layer_output, write_checkpoint
+
+from tolerances import REL_L2
+
+pytestmark = pytest.mark.gpu
+cp = pytest.importorskip("cupy")
+
+H, I, E = 256, 384, 8
+
+
+def _dtype(name):
+    if name == "bfloat16":
+        return pytest.importorskip("ml_dtypes").bfloat16
+    return np.float16
+
+
+def rel_l2(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+QUIRKS = [
+    ("mixtral", {}),
+    ("qwen2_moe", {}),
+    ("qwen3_moe", dict(sym=False)),
+    ("deepseek_v2", dict(desc_act=True, group_size=64)),
+    ("deepseek_v3", dict(extra_config=dict(n_group=4, topk_group=2))),
+    ("mixtral", dict(bits=8, group_size=-1)),
+    ("qwen2_moe", dict(scales_dtype="bfloat16", zero_bias=True, num_shards=3)),
+    ("mixtral", dict(bias=True)),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family,extra", QUIRKS)
+def test_layer_gpu_matches_dense_reference(tmp_path, family, extra, dtype):
+    write_checkpoint(tmp_path, family=family, hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
+                     return_weights=False, **extra)
+    gpu = cupy_moe.load_moe_layer(tmp_path, 0)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
+    dt = _dtype(dtype)
+    for m in (0, 1, 37, 300):
+        x = np.random.default_rng(m).standard_normal((m, H)).astype(dt)
+        y = gpu(cp.asarray(x))
+        assert y.shape == (m, H) and y.dtype == dt
+        if m == 0:
+            continue
+        y = cp.asnumpy(y).astype(np.float32)
+        assert not np.isnan(y).any()
+        # Routing is float32 on both sides, summed in different orders: compare the tokens routed alike.
+        same = (cp.asnumpy(gpu.route(cp.asarray(x))[1]) == host.route(x)[1]).all(axis=1)
+        assert same.mean() >= 0.9
+        assert rel_l2(y[same], dense_layer_output(host, x[same])) <= REL_L2[dtype]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("m", [1, 5, 64, 513])
+def test_fused_moe_gpu_matches_reference(tmp_path, dtype, m):
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, H)).astype(_dtype(dtype))
+    weights, ids = reference.select_experts(rng.standard_normal((m, E)).astype(np.float32), 4, True)
+    want = reference.fused_moe(x, host.w13, host.w2, weights, ids)
+    out = cp.full((m, H), np.nan, np.float16).astype(x.dtype)
+    got = fused_moe(cp.asarray(x), w13, w2, cp.asarray(weights), cp.asarray(ids), out=out)
+    assert got is out
+    got = cp.asnumpy(got).astype(np.float32)
+    assert not np.isnan(got).any()
+    assert rel_l2(got, want.astype(np.float32)) <= REL_L2[dtype]
+
+
+@pytest.mark.parametrize("logits_dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("e,a", [(8, 2), (60, 4), (256, 8), (1024, 32), (5, 5)])
+@pytest.mark.parametrize("renormalize", [False, True])
+def test_select_experts_gpu(e, a, renormalize, logits_dtype):
+    rng = np.random.default_rng(e * 100 + a)
+    dt = np.float32 if logits_dtype == "float32" else _dtype(logits_dtype)
+    logits = (rng.standard_normal((97, e)) * 3).astype(dt)
+    want_w, want_ids = reference.select_experts(logits, a, renormalize)
+    got_w, got_ids = select_experts(cp.asarray(logits), a, renormalize)
+    assert got_w.dtype == np.float32 and got_ids.dtype == np.int32
+    np.testing.assert_array_equal(cp.asnumpy(got_ids), want_ids)
+    np.testing.assert_allclose(cp.asnumpy(got_w), want_w, rtol=2e-6, atol=1e-7)
+
+
+def test_select_experts_gpu_ties_go_to_the_lower_expert():
+    logits = cp.zeros((3, 16), cp.float32)
+    _, ids = select_experts(logits, 4, False)
+    np.testing.assert_array_equal(cp.asnumpy(ids), np.tile(np.arange(4), (3, 1)))
+
+
+def test_select_experts_gpu_rejects():
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, min\(E, 32\)\] = \[1, 8\], got 9"):
+        select_experts(cp.zeros((2, 8), cp.float32), 9)
+    with pytest.raises(ValueError, match=r"router_logits: expected 1 <= E <= 1024 experts, got E=2048"):
+        select_experts(cp.zeros((2, 2048), cp.float32), 2)
+    with pytest.raises(TypeError, match=r"router_logits: expected dtype float16 or bfloat16 or float32, got int32"):
+        select_experts(cp.zeros((2, 8), cp.int32), 2)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3"])
+def test_graph_replay_is_bitwise_the_eager_result(tmp_path, family):
+    write_checkpoint(tmp_path, family=family, hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
+                     return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0)
+    x = cp.asarray(np.random.default_rng(0).standard_normal((12, H)).astype(np.float16))
+    captured = layer.capture(x)
+    for seed in (1, 2):
+        x[...] = cp.asarray(np.random.default_rng(seed).standard_normal((12, H)).astype(np.float16))
+        cp.cuda.Device().synchronize()  # the graph's stream does not wait for the default stream
+        captured.replay()
+        captured.stream.synchronize()
+        cp.testing.assert_array_equal(captured.out, layer(x))
+
+
+def test_dlpack_inputs_are_used_without_a_copy(tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("PyTorch without CUDA")
+    write_checkpoint(tmp_path, family="mixtral", hidden=H, intermediate=I, num_experts=E, return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0)
+    xt = torch.randn(6, H, device="cuda", dtype=torch.float16)
+    x = cp.from_dlpack(xt)
+    assert x.data.ptr == xt.data_ptr()  # the same device memory: no copy
+    y = torch.from_dlpack(layer(x))
+    torch.testing.assert_close(y, torch.from_dlpack(layer(cp.asarray(xt.cpu().numpy()))), rtol=0, atol=0)

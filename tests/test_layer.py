@@ -1,0 +1,146 @@
+"""The whole MoE layer on the NumPy path: routing, experts, shared experts, biases, against plain loops."""
+import numpy as np
+import pytest
+
+import cupy_moe
+from cupy_moe import reference
+from cupy_moe.layer import MoELayer, fused_moe, select_experts
+from cupy_moe.testing import dense_layer_output, write_checkpoint
+from cupy_moe.weights import StackedGptqWeight
+
+from tolerances import REL_L2
+
+H, I, E = 128, 192, 8
+
+
+def rel_l2(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return np.linalg.norm(out - ref) / np.linalg.norm(ref)
+
+
+def hidden(m, seed=0, dtype=np.float16):
+    return np.random.default_rng(seed).standard_normal((m, H)).astype(dtype)
+
+
+@pytest.mark.parametrize("family,extra", [
+    ("mixtral", {}),
+    ("qwen2_moe", {}),
+    ("qwen3_moe", {}),
+    ("deepseek_v2", {}),
+    ("deepseek_v3", {}),
+    ("mixtral", dict(desc_act=True, group_size=32)),
+    ("qwen3_moe", dict(sym=False)),
+    ("deepseek_v2", dict(bits=8, group_size=-1)),
+    ("mixtral", dict(bias=True)),
+    ("qwen2_moe", dict(quantize_shared=False)),
+    ("mixtral", dict(dynamic={"-:.*experts.*": {}})),
+])
+def test_layer_matches_dense_float64(tmp_path, family, extra):
+    spec = dict(hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=64, return_weights=False)
+    spec.update(extra)
+    write_checkpoint(tmp_path, family=family, **spec)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
+    assert isinstance(layer, MoELayer)
+    x = hidden(7)
+    y = layer(x)
+    assert y.shape == (7, H) and y.dtype == np.float16
+    assert rel_l2(y, dense_layer_output(layer, x)) <= REL_L2["float16"]
+
+
+def test_layer_with_no_tokens(tmp_path):
+    write_checkpoint(tmp_path, family="qwen2_moe", hidden=H, intermediate=I, num_experts=E, return_weights=False)
+    y = cupy_moe.load_moe_layer(tmp_path, 0, device=False)(hidden(0))
+    assert y.shape == (0, H)
+
+
+def _plain_topk(scores, k):
+    """Top-k per row by a plain Python sort: larger first, ties to the lower index."""
+    return np.array([sorted(range(len(row)), key=lambda e: (-row[e], e))[:k] for row in scores])
+
+
+def test_softmax_routing_matches_plain_sort(tmp_path):
+    write_checkpoint(tmp_path, family="mixtral", hidden=H, intermediate=I, num_experts=E, return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
+    x = hidden(33, seed=3)
+    weights, ids = layer.route(x)
+    logits = x.astype(np.float32) @ layer.weights.router_weight.astype(np.float32).T
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    want = _plain_topk(probs, 2)
+    np.testing.assert_array_equal(ids, want)
+    picked = np.take_along_axis(probs, want, 1)
+    np.testing.assert_allclose(weights, picked / picked.sum(1, keepdims=True), rtol=1e-5)  # Mixtral renormalizes
+
+
+@pytest.mark.parametrize("topk_group", [1, 2])
+def test_deepseek_v3_grouped_sigmoid_routing(tmp_path, topk_group):
+    write_checkpoint(tmp_path, family="deepseek_v3", hidden=H, intermediate=I, num_experts=E, top_k=2,
+                     extra_config=dict(n_group=4, topk_group=topk_group), return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
+    w = layer.weights
+    x = hidden(9, seed=5)
+    weights, ids = layer.route(x)
+    logits = x.astype(np.float32) @ w.router_weight.astype(np.float32).T
+    scores = 1 / (1 + np.exp(-logits))
+    for m in range(9):
+        choice = scores[m] + w.e_score_correction_bias
+        groups = [sorted(choice[g * 2:(g + 1) * 2])[-2:] for g in range(4)]  # 2 experts per group
+        kept = sorted(range(4), key=lambda g: (-sum(groups[g]), g))[:topk_group]
+        masked = np.array([choice[e] if e // 2 in kept else -np.inf for e in range(E)])
+        want = _plain_topk(masked[None], 2)[0]
+        np.testing.assert_array_equal(ids[m], want)
+        picked = scores[m, want]
+        np.testing.assert_allclose(weights[m], picked / picked.sum() * w.routed_scaling_factor, rtol=1e-5)
+
+
+def test_select_experts_numpy_is_the_reference():
+    logits = np.random.default_rng(1).standard_normal((11, 12)).astype(np.float32)
+    for got, want in zip(select_experts(logits, 3, True), reference.select_experts(logits, 3, True)):
+        np.testing.assert_array_equal(got, want)
+
+
+def _stacked(tmp_path):
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, return_weights=False)
+    return cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+
+
+def test_fused_moe_numpy_is_the_reference(tmp_path):
+    w = _stacked(tmp_path)
+    x = hidden(5)
+    weights, ids = reference.select_experts(np.random.default_rng(2).standard_normal((5, E)).astype(np.float32), 2, True)
+    want = reference.fused_moe(x, w.w13, w.w2, weights, ids)
+    np.testing.assert_array_equal(fused_moe(x, w.w13, w.w2, weights, ids), want)
+    out = np.full((5, H), np.nan, np.float16)
+    assert fused_moe(x, w.w13, w.w2, weights, ids, out=out) is out
+    np.testing.assert_array_equal(out, want)
+
+
+def test_fused_moe_rejects_bad_arguments(tmp_path):
+    w = _stacked(tmp_path)
+    x = hidden(4)
+    weights = np.full((4, 2), 0.5, np.float32)
+    ids = np.zeros((4, 2), np.int32)
+    with pytest.raises(TypeError, match="w13: expected a StackedGptqWeight, got ndarray"):
+        fused_moe(x, np.zeros(3), w.w2, weights, ids)
+    with pytest.raises(ValueError, match=r"hidden_states: expected a 2-D array \[M, H\], got shape \(4, 128, 1\)"):
+        fused_moe(x[:, :, None], w.w13, w.w2, weights, ids)
+    with pytest.raises(ValueError, match=r"w13: expected K = H = 64 \(hidden_states' columns\), got K=128"):
+        fused_moe(x[:, :64], w.w13, w.w2, weights, ids)
+    with pytest.raises(ValueError, match=r"w13: expected N = 2I = 256 \(twice w2's K\), got N=384"):
+        fused_moe(x, w.w13, w.w13, weights, ids)
+    narrow = StackedGptqWeight(w.w2.qweight[..., :64].copy(), w.w2.scales[..., :64].copy(),
+                               w.w2.qzeros[..., :8].copy() if w.w2.qzeros is not None else None, w.w2.g_idx,
+                               bits=w.w2.bits, group_size=w.w2.group_size)
+    with pytest.raises(ValueError, match=r"w2: expected N = H = 128, got N=64"):
+        fused_moe(x, w.w13, narrow, weights, ids)
+    with pytest.raises(ValueError, match=r"topk_ids: expected 4 rows \(M\), got shape \(3, 2\)"):
+        fused_moe(x, w.w13, w.w2, weights, ids[:3])
+    with pytest.raises(ValueError, match=r"topk_weights: expected 2 columns, got shape \(4, 1\)"):
+        fused_moe(x, w.w13, w.w2, weights[:, :1], ids)
+
+
+def test_layer_rejects_wrong_width_and_place(tmp_path):
+    write_checkpoint(tmp_path, family="mixtral", hidden=H, intermediate=I, num_experts=E, return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
+    with pytest.raises(ValueError, match=r"hidden_states: expected 128 columns, got shape \(2, 64\)"):
+        layer(hidden(2)[:, :64])
