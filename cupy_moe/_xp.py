@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 
+import numpy
+
 try:  # CuPy is an optional extra (cuda12 / cuda13).
     import cupy
 except ImportError:  # pragma: no cover - exercised on machines without CuPy
@@ -43,3 +45,15 @@ def require_gpu(what: str):
 def asnumpy(x):
     """A host copy of `x` (NumPy arrays pass through unchanged)."""
     return cupy.asnumpy(x) if is_device_array(x) else x
+
+
+def to_device(x, what: str = "copying to the device"):
+    """A CuPy copy of host array `x`, made by one host-to-device copy straight from x's pages.
+
+    (cupy.asarray stages through CuPy's pinned-memory pool, which then keeps a pinned copy of the largest
+    tensor cached in the process: 1.5x the host memory of a loaded layer.)
+    """
+    cp = require_gpu(what)
+    out = cp.empty(x.shape, x.dtype)
+    out.set(numpy.ascontiguousarray(x))
+    return out

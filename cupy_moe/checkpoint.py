@@ -985,14 +985,10 @@ def _awq_qweight_into(f: _SafetensorsFile, info: _TensorInfo, out: np.ndarray):
 
 
 def _put(x, device: bool):
-    """x on the device: one host-to-device copy straight from x's pages. (cupy.asarray would stage through
-    CuPy's pinned-memory pool, which then keeps a pinned copy of the largest tensor cached in the process.)"""
+    """x on the device (one host-to-device copy) when device is True."""
     if x is None or not device:
         return x
-    cupy = _xp.require_gpu("loading onto the device")
-    out = cupy.empty(x.shape, x.dtype)
-    out.set(np.ascontiguousarray(x))
-    return out
+    return _xp.to_device(x, "loading onto the device")
 
 
 # --------------------------------------------------------------------------- public: stacked projections

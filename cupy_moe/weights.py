@@ -210,8 +210,8 @@ class StackedGptqWeight:
 
     def to_device(self) -> "StackedGptqWeight":
         """A copy on the current CuPy device (self when already there)."""
-        cupy = _xp.require_gpu("StackedGptqWeight.to_device")
-        return self if self.is_device else self._map(cupy.asarray)
+        _xp.require_gpu("StackedGptqWeight.to_device")
+        return self if self.is_device else self._map(_xp.to_device)
 
     def to_host(self) -> "StackedGptqWeight":
         """A NumPy copy (self when already on the host)."""
@@ -285,10 +285,14 @@ class StackedGptqWeight:
         return concat_n(gate, up)
 
     @classmethod
-    def from_safetensors(cls, path, layer, proj, *, device=True) -> "StackedGptqWeight":
-        """Load the stacked weight of one projection of one MoE layer (delegates to cupy_moe.checkpoint)."""
+    def from_safetensors(cls, path, layer, proj, *, device=True, scheme=None) -> "StackedGptqWeight":
+        """Load one projection ("w13" gate|up, or "w2" down) of MoE layer `layer` from a checkpoint folder.
+
+        device: True -> CuPy arrays (bits 4 and 8), False -> NumPy. scheme: a `cupy_moe.checkpoint.NamingScheme`
+        for a family not detected automatically. Delegates to `cupy_moe.checkpoint.load_stacked`.
+        """
         from .checkpoint import load_stacked
-        return load_stacked(path, layer, proj, device=device)
+        return load_stacked(path, layer, proj, device=device, scheme=scheme)
 
 
 def concat_n(gate: StackedGptqWeight, up: StackedGptqWeight) -> StackedGptqWeight:
