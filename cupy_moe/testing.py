@@ -543,7 +543,15 @@ def dense_layer_output(layer, x) -> np.ndarray:
     """
     w = layer.weights
 
-    def matrix(stacked, e):  # [K, N] float64 of expert e
+    cache = {}
+
+    def matrix(stacked, e):  # [K, N] float64 of expert e, dequantized once
+        key = (id(stacked), e)
+        if key not in cache:
+            cache[key] = dequantized(stacked, e)
+        return cache[key]
+
+    def dequantized(stacked, e):
         if not hasattr(stacked, "qweight"):
             return np.asarray(stacked[e], np.float64)
         return reference.dequantize(

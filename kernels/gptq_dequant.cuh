@@ -37,6 +37,24 @@ __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   return d;
 }
 
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8, row l % 8).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], unsigned smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr)
+               : "memory");
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 __device__ __forceinline__ float half_bits_to_float(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -130,6 +148,87 @@ __device__ __forceinline__ void dequant8(const u32 (&q)[kBits / 4], const unsign
 #pragma unroll
       for (int i = 0; i < 4; ++i) out[i] = pack2<true>(v[2 * i], v[2 * i + 1]);
     }
+  }
+}
+
+// ---- dequantization with one scale and zero for all 8 codes (no act-order) -------------------------------------
+// The per-group constants are built once per group (GroupConst) instead of once per 32-k chunk.
+// fp16: ss = scale pair; zlo = (1024 + z) pair; zhi = -(64 + z) pair.
+// bf16: sf = scale as float; zf = 2^23 + z as float.
+struct GroupConst {
+  u32 ss, zlo, zhi;
+  float sf, zf;
+};
+
+template <bool kBf16>
+__device__ __forceinline__ GroupConst group_const(unsigned short s_bits, int z) {
+  GroupConst c;
+  if constexpr (!kBf16) {
+    c.ss = u32(s_bits) * 0x10001u;
+    c.zlo = (0x6400u | u32(z)) * 0x10001u;
+    c.zhi = (0xD400u + (u32(z) << 4)) * 0x10001u;  // fp16 -(64 + z): ulp at 64 is 1/16
+    c.sf = 0.f;
+    c.zf = 0.f;
+  } else {
+    c.ss = c.zlo = c.zhi = 0u;
+    c.sf = half_bits_to_float(s_bits);
+    c.zf = 8388608.0f + float(z);
+  }
+  return c;
+}
+
+// Same pair order as dequant8 (4-bit: (k0,k4) (k1,k5) (k2,k6) (k3,k7); 8-bit: natural), same values
+// (w = round((q - z) * s), q - z exact).
+// fp16 4-bit: the odd nibbles are taken in place (16 q), 1024 + 16 q is exact, and one fma by 1/16 with
+// -(64 + z) gives q - z exactly, so only one shift per word is needed.
+template <bool kBf16, int kBits>
+__device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const GroupConst& c, u32 (&out)[4]) {
+  if constexpr (!kBf16) {
+    if constexpr (kBits == 4) {
+      const u32 q8 = q[0] >> 8;
+      const u32 p0 = and_or(q[0], 0x000F000Fu, 0x64006400u);
+      const u32 p1 = and_or(q[0], 0x00F000F0u, 0x64006400u);
+      const u32 p2 = and_or(q8, 0x000F000Fu, 0x64006400u);
+      const u32 p3 = and_or(q8, 0x00F000F0u, 0x64006400u);
+      out[0] = hmul2(hsub2(p0, c.zlo), c.ss);
+      out[1] = hmul2(hfma2(p1, 0x2C002C00u, c.zhi), c.ss);
+      out[2] = hmul2(hsub2(p2, c.zlo), c.ss);
+      out[3] = hmul2(hfma2(p3, 0x2C002C00u, c.zhi), c.ss);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 codes = prmt(q[i >> 1], 0x64646464u, (i & 1) ? 0x7352u : 0x7150u);
+        out[i] = hmul2(hsub2(codes, c.zlo), c.ss);
+      }
+    }
+  } else {
+    float v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const u32 code = kBits == 4 ? (q[0] >> (4 * j)) & 15u : (q[j >> 2] >> (8 * (j & 3))) & 255u;
+      v[j] = (__uint_as_float(0x4B000000u | code) - c.zf) * c.sf;
+    }
+    if constexpr (kBits == 4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = pack2<true>(v[i], v[i + 4]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = pack2<true>(v[2 * i], v[2 * i + 1]);
+    }
+  }
+}
+
+// 8 codes k0..k7 of one column -> 16 bytes in natural k order (k0,k1) (k2,k3) (k4,k5) (k6,k7), for a shared-memory
+// B tile read back by ldmatrix.
+template <bool kBf16, int kBits>
+__device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], const GroupConst& c) {
+  u32 p[4];
+  dequant8u<kBf16, kBits>(q, c, p);
+  if constexpr (kBits == 4) {
+    return make_uint4(prmt(p[0], p[1], 0x5410u), prmt(p[2], p[3], 0x5410u), prmt(p[0], p[1], 0x7632u),
+                      prmt(p[2], p[3], 0x7632u));
+  } else {
+    return make_uint4(p[0], p[1], p[2], p[3]);
   }
 }
 

@@ -24,7 +24,10 @@
 
 using gptq::u32;
 
-template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, bool kActOrder>
+// GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
+// launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
+// per stage; 2 = act-order (g_idx: every k has its own group).
+template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM>
 __global__ void __launch_bounds__(WM * WN * 32)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -43,6 +46,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int BLOCK_M = WM * MT * 16;
   constexpr int BLOCK_N = WN * NG * 32;
   constexpr int WPR = kBits / 4;  // qweight words per lane per column per 32-k chunk
+  constexpr bool kActOrder = GM == 2;
+  constexpr int KS = GM == 1 ? 1 : KU;  // scale/zero sets per stage
   const int blk = blockIdx.x;
   if (blk * BLOCK_M >= __ldg(post_padded)) return;  // past the padded total: nothing to do
   const int expert = __ldg(expert_ids + blk);
@@ -132,8 +137,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // Activations, scales and zeros: registers, one stage ahead.
   struct Stage {
     uint4 x[KU][MT][2];
-    uint2 s[KU][NG];
-    u32 z[KU][NG];
+    uint2 s[KS][NG];
+    u32 z[KS][NG];
   };
   auto load = [&](Stage& st, int c0) {
 #pragma unroll
@@ -152,6 +157,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       for (int ng = 0; ng < NG; ++ng) {
         const bool ok = in && n_ok[ng];
         if constexpr (!kActOrder) {
+          if (u >= KS) continue;
           st.s[u][ng] = ok ? __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 4 * g))
                            : make_uint2(0, 0);
           st.z[u][ng] = (ok && qz_e) ? static_cast<u32>(__ldg(qz_e + static_cast<long long>(grp) * zwords +
@@ -162,7 +168,23 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
+  // per-(set, ng, col) dequantization constants, built from the stage's scale/zero words
+  auto unpack = [&](const Stage& st, int u, int ng, int col) -> gptq::GroupConst {
+    const u32 sw = col < 2 ? st.s[u][ng].x : st.s[u][ng].y;
+    const unsigned short sb = static_cast<unsigned short>(sw >> (16 * (col & 1)));
+    int zc = kSymZero;
+    if (qz_e) zc = kBits == 4 ? (st.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (st.z[u][ng] >> (8 * col)) & 255u;
+    return gptq::group_const<kBf16>(sb, zc);
+  };
+
   auto compute = [&](const Stage& st, int stage, int c0) {
+    gptq::GroupConst gcs[NG][4];
+    if constexpr (GM == 1) {  // once per stage: every chunk of the stage is in the same group
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+        for (int col = 0; col < 4; ++col) gcs[ng][col] = unpack(st, 0, ng, col);
+    }
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int c = c0 + u;
@@ -184,19 +206,10 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         if (!n_ok[ng]) continue;
         unsigned short s_bits[4][8];
         int z[4][8];
-        if constexpr (!kActOrder) {
-          const u32 sw[2] = {st.s[u][ng].x, st.s[u][ng].y};
+        if constexpr (GM == 0) {
 #pragma unroll
-          for (int col = 0; col < 4; ++col) {
-            const unsigned short sb = static_cast<unsigned short>(sw[col >> 1] >> (16 * (col & 1)));
-            int zc = kSymZero;
-            if (qz_e) {
-              zc = kBits == 4 ? (st.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (st.z[u][ng] >> (8 * col)) & 255u;
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) { s_bits[col][j] = sb; z[col][j] = zc; }
-          }
-        } else {
+          for (int col = 0; col < 4; ++col) gcs[ng][col] = unpack(st, u, ng, col);
+        } else if constexpr (kActOrder) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
             const uint2 sv = __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(gk[j]) * N + n0[ng] + 4 * g));
@@ -224,7 +237,11 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
             q[r] = col == 0 ? w.x : col == 1 ? w.y : col == 2 ? w.z : w.w;
           }
           u32 b[4];
-          gptq::dequant8<kBf16, kBits>(q, s_bits[col], z[col], b);
+          if constexpr (kActOrder) {
+            gptq::dequant8<kBf16, kBits>(q, s_bits[col], z[col], b);
+          } else {
+            gptq::dequant8u<kBf16, kBits>(q, gcs[ng][col], b);
+          }
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             gptq::mma16816<kBf16>(acc[mt][ng][col], a0[mt], b[0], b[1]);
