@@ -29,7 +29,10 @@ __all__ = ["select_experts", "fused_moe", "MoELayer", "CapturedForward", "load_m
 _FILE = "moe_layer.cu"
 _THREADS = 256
 _MAX_GRID = 132 * 16  # grid-stride loops: enough CTAs to fill an H100/H200 several times over
-_CTYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+_CTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "float"}  # element types of kernels/moe_layer.cu
+# Every instance the launchers below can ask for (the NVRTC compile test builds each one).
+KERNEL_NAMES = ([f"select_experts<{t}>" for t in ("float", "f16", "bf16")]
+                + [f"{k}<{t}>" for k in ("silu_and_mul", "moe_sum") for t in ("f16", "bf16")])
 
 
 def _ctype(name, dtype, allowed=("float16", "bfloat16")):

@@ -353,3 +353,282 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (and graph replay)
 }
+
+// ================================================================================================================
+// Prefill kernel (block_m 64 / 128, no act-order): every weight is dequantized ONCE per CTA into shared memory and
+// both mma operands come from shared memory through ldmatrix.
+//
+// CTA = BM rows (= the align block size) x 128 columns x one K slice, 8 warps of 32 rows x (128 / (8 / (BM/32)))
+// columns. Per 32-k step: a ring of NS stages filled by cp.async holds the gathered activation rows A [BM][32],
+// the raw qweight rows [32*bits/32][128] and the step's scale [128] / zero words; the step's weights are dequantized
+// by all 256 threads (one 16-byte k-run of one column each, natural k order) into B [128 n][32 k]; then the warps
+// run ldmatrix + mma.sync. A and B rows are 64 bytes; 16-byte chunk c of row r lives at c ^ ((r >> 1) & 3), so
+// the 8 row addresses of every ldmatrix phase and every 16-byte store hit 8 different bank quads.
+// Split-K: the same partials + ticket protocol as moe_gemm (fixed-order reduction by the last CTA).
+template <int BM, int kBits, int NS>
+struct TcSmem {
+  static constexpr int kA = BM * 64;                  // bytes of one A stage
+  static constexpr int kQ = kBits * 128 * 4;          // qweight rows of one 32-k step
+  static constexpr int kS = 128 * 2;                  // scales
+  static constexpr int kZ = 128 * kBits / 8;          // zero words (bytes)
+  static constexpr int kStage = kA + kQ + kS + kZ;    // all multiples of 16
+  static constexpr int kB = 128 * 64;                 // dequantized B tile
+  static constexpr int kTotal = NS * kStage + kB;
+};
+
+template <bool kBf16, int kBits, int BM, int NS>
+__global__ void __launch_bounds__(256)
+moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
+            const int* __restrict__ qweight,             // [E, K*bits/32, N]
+            const unsigned short* __restrict__ scales,   // [E, groups, N] fp16 bits
+            const int* __restrict__ qzeros,              // [E, groups, N*bits/32] or null
+            const int* __restrict__ g_idx,               // unused (act-order runs moe_gemm)
+            const float* __restrict__ topk_weights,      // [P] or null
+            const int* __restrict__ sorted,              // [C]
+            const int* __restrict__ expert_ids,          // [C / BM]
+            const int* __restrict__ post_padded,         // [1]
+            unsigned short* __restrict__ out,            // [P, N]
+            float* __restrict__ partials,                // [S, C, N] when split_k > 1
+            int* __restrict__ tickets,                   // [C / BM, N / 128] zeros when split_k > 1
+            int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
+            int split_k, int chunks_per_split) {
+  using L = TcSmem<BM, kBits, NS>;
+  constexpr int BN = 128, THREADS = 256;
+  constexpr int WM = BM / 32, WN = 8 / WM, WTN = BN / WN, NT = WTN / 8;
+  static_assert(BM == 64 || BM == 128, "BM");
+  static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+  extern __shared__ uint4 smem_dyn[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
+
+  const int blk = blockIdx.x;
+  if (blk * BM >= __ldg(post_padded)) return;
+  const int expert = __ldg(expert_ids + blk);
+  if (expert < 0) return;
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < static_cast<unsigned>(L::kTotal)) __trap();  // launcher / kernel layout mismatch
+  }
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wm = warp / WN, wn = warp % WN;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_base = blockIdx.y * BN;
+  const long long rows_q = static_cast<long long>(K) * kBits / 32;
+  const int* qw_e = qweight + expert * rows_q * N;
+  const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;
+  const int zwords = N * kBits / 32;
+  const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
+  constexpr int kSymZero = 1 << (kBits - 1);
+
+  // ---- copy assignments (fixed per thread)
+  constexpr int A_PER = BM * 4 / THREADS;  // 16-byte A chunks per thread per step (1 or 2)
+  const unsigned short* a_src[A_PER];
+  int a_dst[A_PER];
+#pragma unroll
+  for (int i = 0; i < A_PER; ++i) {
+    const int idx = tid + i * THREADS, r = idx >> 2, c = idx & 3;
+    const int p = __ldg(sorted + blk * BM + r);
+    a_src[i] = (p >= 0 && p < num_pairs) ? a + static_cast<long long>(p / top_k) * K + 8 * c : nullptr;
+    a_dst[i] = r * 64 + ((c ^ ((r >> 1) & 3)) << 4);
+  }
+  // qweight: kBits rows x 32 chunks of 16 bytes
+  const int q_row = tid >> 5, q_chunk = tid & 31;
+  const bool q_do = tid < kBits * 32;
+  const bool q_ok = q_do && n_base + 4 * q_chunk < N;
+  // scales: 16 chunks; zeros: kBits/2 chunks (threads 240.. of the last warp, idle in the qweight copy for 4-bit)
+  const bool s_do = tid >= 240;
+  const int s_chunk = tid - 240;
+  const bool s_ok = s_do && n_base + 8 * s_chunk < N;
+  const bool z_do = tid < 8 && tid < kBits / 2 * 1;  // 4-bit: 2 chunks? computed below
+  (void)z_do;
+  constexpr int Z_CHUNKS = L::kZ / 16;     // 4 (4-bit) or 8 (8-bit)
+  const int z_thread = tid - (240 - Z_CHUNKS);  // threads 240-Z_CHUNKS .. 239
+  const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
+  const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
+
+  const int total_chunks = K / 32;
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  const int c_end = min(total_chunks, c_begin + chunks_per_split);
+  const int nsteps = c_end - c_begin;
+
+  auto issue = [&](int slot, int c) {
+    unsigned char* st = smem + slot * L::kStage;
+    const int k0 = c * 32;
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i)
+      gptq::cp_async16(st + a_dst[i], a_src[i] ? a_src[i] + k0 : a, a_src[i] != nullptr);
+    if (q_do)
+      gptq::cp_async16(st + L::kA + tid * 16,
+                       q_ok ? qw_e + static_cast<long long>(c * kBits + q_row) * N + n_base + 4 * q_chunk : qw_e,
+                       q_ok);
+    const int grp = k0 / group_len;
+    if (s_do)
+      gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16,
+                       s_ok ? sc_e + static_cast<long long>(grp) * N + n_base + 8 * s_chunk : sc_e, s_ok);
+    if (zc_do)
+      gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16,
+                       zc_ok ? qz_e + static_cast<long long>(grp) * zwords + n_base * kBits / 32 + 4 * z_thread
+                             : qw_e,
+                       zc_ok);
+  };
+
+  // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, 2 per thread)
+  const int dn = tid & 127, dk = tid >> 7;  // runs 2*dk, 2*dk+1
+  const int b_row = dn * 64;
+  const int b_key = (dn >> 1) & 3;
+  unsigned char* bs = smem + NS * L::kStage;
+
+  auto dequant = [&](int slot) {
+    const unsigned char* st = smem + slot * L::kStage;
+    const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[dn];
+    int zc = kSymZero;
+    if (qz_e) {
+      const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[dn * kBits / 32];
+      zc = kBits == 4 ? (zw >> (4 * (dn & 7))) & 15u : (zw >> (8 * (dn & 3))) & 255u;
+    }
+    const gptq::GroupConst gc = gptq::group_const<kBf16>(sb, zc);
+    const u32* qs = reinterpret_cast<const u32*>(st + L::kA);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int run = 2 * dk + i;  // k = 8*run .. 8*run+7 of the step
+      u32 q[kBits / 4];
+#pragma unroll
+      for (int r = 0; r < kBits / 4; ++r) q[r] = qs[(run * (kBits / 4) + r) * BN + dn];
+      const uint4 v = gptq::dequant8_natural<kBf16, kBits>(q, gc);
+      *reinterpret_cast<uint4*>(bs + b_row + ((run ^ b_key) << 4)) = v;
+    }
+  };
+
+  float acc[2][NT][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][j][r] = 0.f;
+
+  // ldmatrix lane addresses: matrix q = lane / 8, row lane % 8; the swizzle key of all rows used is (lane >> 1) & 3
+  const int lq = lane >> 3, lr = lane & 7, lkey = (lane >> 1) & 3;
+  const int a_ld_row = wm * 32 + (lq & 1) * 8 + lr;  // + mt * 16
+  const int a_ld_hi = lq >> 1;                        // k 8..15 half of a k16 step
+  const int b_ld_row = wn * WTN + (lq >> 1) * 8 + lr;  // + jp * 16
+  const int b_ld_hi = lq & 1;
+  const unsigned smem_base = gptq::smem_u32(smem);
+  const unsigned bs_base = gptq::smem_u32(bs);
+
+  auto mma_step = [&](int slot) {
+    const unsigned as_base = smem_base + slot * L::kStage;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      u32 af[2][4];
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        gptq::ldmatrix_x4(af[mt], as_base + (a_ld_row + mt * 16) * 64 + (((2 * kk + a_ld_hi) ^ lkey) << 4));
+#pragma unroll
+      for (int jp = 0; jp < NT / 2; ++jp) {
+        u32 bf[4];
+        gptq::ldmatrix_x4(bf, bs_base + (b_ld_row + jp * 16) * 64 + (((2 * kk + b_ld_hi) ^ lkey) << 4));
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          gptq::mma16816<kBf16>(acc[mt][2 * jp], af[mt], bf[0], bf[1]);
+          gptq::mma16816<kBf16>(acc[mt][2 * jp + 1], af[mt], bf[2], bf[3]);
+        }
+      }
+    }
+  };
+
+  // ---- main loop: NS-1 steps in flight; two barriers per step (raw data landed / B tile complete)
+#pragma unroll
+  for (int s = 0; s < NS - 1; ++s) {
+    if (s < nsteps) issue(s, c_begin + s);
+    gptq::cp_async_commit();
+  }
+  for (int it = 0; it < nsteps; ++it) {
+    gptq::cp_async_wait<NS - 2>();
+    __syncthreads();  // step `it` visible to all; every warp is done with step it-1 (its slot and B)
+    const int nx = it + NS - 1;
+    if (nx < nsteps) issue(nx % NS, c_begin + nx);
+    gptq::cp_async_commit();
+    dequant(it % NS);
+    __syncthreads();
+    mma_step(it % NS);
+  }
+  gptq::cp_async_wait<0>();
+
+  // ---- epilogue: lane holds rows g, g+8 of each m16 tile x columns 2t, 2t+1 of each n8 tile
+  int pair_of[2][2], slot_of[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int slot = blk * BM + wm * 32 + mt * 16 + g + 8 * h;
+      const int p = __ldg(sorted + slot);
+      pair_of[mt][h] = (p >= 0 && p < num_pairs) ? p : -1;
+      slot_of[mt][h] = slot;
+    }
+  const int col_w = n_base + wn * WTN + 2 * t;  // + j * 8
+
+  if (split_k == 1) {
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int p = pair_of[mt][h];
+        if (p < 0) continue;
+        const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int col = col_w + j * 8;
+          if (col >= N) continue;
+          *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + col) =
+              gptq::pack2<kBf16>(acc[mt][j][2 * h] * w, acc[mt][j][2 * h + 1] * w);
+        }
+      }
+    return;
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (pair_of[mt][h] < 0) continue;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int col = col_w + j * 8;
+        if (col >= N) continue;
+        *reinterpret_cast<float2*>(partials + (static_cast<long long>(blockIdx.z) * capacity + slot_of[mt][h]) * N +
+                                   col) = make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
+      }
+    }
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int* ticket = tickets + static_cast<long long>(blk) * gridDim.y + blockIdx.y;
+  if (tid == 0) last = atomicAdd(ticket, 1) == split_k - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int p = pair_of[mt][h];
+      if (p < 0) continue;
+      const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int col = col_w + j * 8;
+        if (col >= N) continue;
+        float v0 = 0.f, v1 = 0.f;
+        for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the same result on every run
+          const float2 x = __ldcg(reinterpret_cast<const float2*>(
+              partials + (static_cast<long long>(s) * capacity + slot_of[mt][h]) * N + col));
+          v0 += x.x;
+          v1 += x.y;
+        }
+        *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + col) = gptq::pack2<kBf16>(v0 * w, v1 * w);
+      }
+    }
+  if (tid == 0) *ticket = 0;
+}

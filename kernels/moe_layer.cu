@@ -3,8 +3,10 @@
 //   silu_and_mul    gate/up output [P, 2I] -> SiLU(gate) * up [P, I]
 //   moe_sum         down output [M*A, H] (routing weights already applied by the GEMM) -> [M, H]
 // Each mirrors cupy_moe.reference exactly in where it rounds: float32 math, one rounding to T at the end.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+// No CUDA headers: NVRTC installs without cuda_fp16.h, so the 16-bit types are plain storage structs with
+// PTX conversions (round to nearest even, as numpy's astype does).
+struct f16 { unsigned short bits; };
+struct bf16 { unsigned short bits; };
 
 namespace {
 
@@ -12,13 +14,23 @@ namespace {
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(f16 x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned>(x.bits) << 16); }
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
-template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
+  f16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+  return h;
+}
+template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
+  bf16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(x));
+  return h;
 }
 
 // Larger value wins; on equal values the lower expert index wins (the reference's tie rule).

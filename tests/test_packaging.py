@@ -71,7 +71,7 @@ def test_import_without_cupy_runs_numpy_and_explains_the_gpu_path():
         sorted_ids, expert_ids, total = cupy_moe.moe_align_block_size(ids, 16, 2)
         assert int(total[0]) == 32
         try:
-            cupy_moe._compile.get_kernel("moe_layer.cu", "moe_sum<__half>")
+            cupy_moe._compile.get_kernel("moe_layer.cu", "moe_sum<f16>")
         except RuntimeError as exc:
             assert "needs CuPy" in str(exc), exc
         else:
