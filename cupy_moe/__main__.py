@@ -55,16 +55,16 @@ def _copy_bandwidth(cp) -> float:
     return 2 * src.nbytes / times
 
 
-def _time_events(cp, fn, reps=50, warmup=5) -> float:
-    """Median seconds of fn() measured with CUDA events after warm-up."""
+def _time_events(cp, fn, reps=50, warmup=5, stream=None) -> float:
+    """Median seconds of fn() measured with CUDA events on `stream` (default: the current one) after warm-up."""
     for _ in range(warmup):
         fn()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     samples = []
     for _ in range(reps):
-        start.record()
+        start.record(stream)
         fn()
-        stop.record()
+        stop.record(stream)
         stop.synchronize()
         samples.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
     return float(np.median(samples))
@@ -98,7 +98,7 @@ def _demo_gpu(args, folder):
     print(f"check: {check} tokens vs the NumPy reference, relative L2 error = {err:.2e} (bar 1e-3)")
 
     captured = layer.capture(x)
-    seconds = _time_events(cp, captured.replay, reps=args.reps)
+    seconds = _time_events(cp, captured.replay, reps=args.reps, stream=captured.stream)
     _, ids = layer.route(x)
     touched = int(cp.unique(ids).size)
     expert_bytes = (w.w13.nbytes + w.w2.nbytes) / w.num_experts

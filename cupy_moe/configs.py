@@ -1,18 +1,18 @@
 """Tile choice for the fused GPTQ MoE GEMM, in one place.
 
-Two kernel shapes earn their place (measured on an H200 by benchmarks/sweep_tiles.py, see docs/performance.md):
+Two kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.py / sweep_tiles.py (see
+docs/performance.md):
 
-- decode (`block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks (128 k) per
-  pipeline stage, a 2-stage cp.async weight ring; split-K fills the 132 SMs when only a few experts are touched.
-  Deeper rings (4 or 6 stages) and 2-chunk stages measured the same within 3%: this path is bound by
-  instructions per weight byte (dequantization), not by bytes in flight.
-- prefill (`block_m` 64): 2x2 warps of 32 rows x 64 columns; each dequantized weight fragment feeds 2 m16 tiles
-  and each activation fragment 8 n8 tiles. It beat 4x1 warps of 64 rows (which dequantizes each fragment once
-  but holds 205 registers) by 5-15% in the sweep.
+- `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
+  (128 k) per pipeline stage, a cp.async weight ring; each lane dequantizes its own B fragments in registers.
+  Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
+  else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
+- `moe_gemm_tc` ("tc", prefill, `block_m` 64 or 128, no act-order): 8 warps, 128 columns; the CTA dequantizes each
+  weight once into shared memory and feeds mma.sync through ldmatrix (activations staged by cp.async too).
+  Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes below instead.
 
-Heuristic: rows per touched expert r = P / min(E, P) with P = M * A. r <= 24 -> decode, else prefill (an expert
-with more rows than that wastes little of a 64-row tile and reuses each dequantized weight 4x more).
-split_k: the fewest slices that give at least ~4 CTAs per SM, each slice keeping at least 2 stages of K, at
+Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
+split_k: the fewest slices that give about one full wave of CTAs, each slice keeping at least 2 stages of K, at
 most 16 (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs).
 `block_m` is the align block size the layer must pass to `moe_align_block_size`.
 """
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS"]
+__all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS",
+           "kernel_instance", "all_name_expressions"]
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
-_TARGET_CTAS = 4 * NUM_SMS
+_TARGET_CTAS = {"reg": 3 * NUM_SMS, "tc": 2 * NUM_SMS}  # about one wave of resident CTAs
 _MAX_SPLIT = 16
 
 
@@ -42,6 +43,7 @@ class GemmConfig:
     ku: int
     stages: int = 4
     split_k: int = 1
+    kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory)
 
     @property
     def block_m(self) -> int:
@@ -55,16 +57,61 @@ class GemmConfig:
     def threads(self) -> int:
         return self.warps_m * self.warps_n * 32
 
-    def name_expression(self, bf16: bool, bits: int, act_order: bool) -> str:
+    def group_mode(self, act_order: bool, group_len: int | None) -> int:
+        """moe_gemm's GM: 2 act-order, 1 one group per stage (group_len % (32*ku) == 0), else 0."""
+        if act_order:
+            return 2
+        return 1 if group_len is not None and group_len % (32 * self.ku) == 0 else 0
+
+    def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None) -> str:
         b = lambda flag: "true" if flag else "false"
+        if self.kind == "tc":
+            if act_order:
+                raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
+            return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.stages}>"
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{self.stages}, {b(act_order)}>")
+                f"{self.stages}, {self.group_mode(act_order, group_len)}>")
+
+    def smem_bytes(self, bits: int) -> int:
+        """Dynamic shared memory of the tc kernel (must match TcSmem in moe_gemm.cu); 0 for moe_gemm."""
+        if self.kind != "tc":
+            return 0
+        stage = self.block_m * 64 + bits * 128 * 4 + 128 * 2 + 128 * bits // 8
+        return self.stages * stage + 128 * 64
 
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
-PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4)
-KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL}
+PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=1, ku=1, stages=4, kind="tc")     # 64 x 128
+PREFILL_128 = GemmConfig(mt=2, warps_m=4, warps_n=2, ng=2, ku=1, stages=4, kind="tc")  # 128 x 128
+KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL, PREFILL_128.block_m: PREFILL_128}
+# act-order weights at the tc block sizes: moe_gemm shapes of the same block_m and block_n
+ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
+                    128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
+
+
+def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int):
+    """(config actually launched, name expression, dynamic shared-memory bytes) for one call.
+
+    The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m].
+    """
+    if cfg.kind == "tc" and act_order:
+        cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
+    return cfg, cfg.name_expression(bf16, bits, act_order, group_len), cfg.smem_bytes(bits)
+
+
+def all_name_expressions() -> list[str]:
+    """Every kernel instance the launcher can request (the NVRTC compile test compiles all of them)."""
+    names = []
+    for cfg in list(KERNEL_SHAPES.values()) + list(ACT_ORDER_SHAPES.values()):
+        for bf16 in (False, True):
+            for bits in (4, 8):
+                if cfg.kind == "tc":
+                    names.append(cfg.name_expression(bf16, bits, False))
+                    continue
+                for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
+                    names.append(cfg.name_expression(bf16, bits, act, glen))
+    return list(dict.fromkeys(names))
 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int,
@@ -80,7 +127,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     touched = min(e, pairs)
     rows = pairs / touched
     if block_m is None:
-        base = DECODE if rows <= 24 else PREFILL
+        base = DECODE if rows <= 24 else PREFILL if rows <= 160 else PREFILL_128
     elif block_m in KERNEL_SHAPES:
         base = KERNEL_SHAPES[block_m]
     else:
@@ -91,6 +138,6 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     chunks = max(1, k // 32)
     max_split = max(1, min(_MAX_SPLIT, chunks // (2 * base.ku)))
     split = 1
-    while split < max_split and ctas * split < _TARGET_CTAS:
+    while split < max_split and ctas * split < _TARGET_CTAS.get(base.kind, 2 * NUM_SMS):
         split += 1
     return replace(base, split_k=split)

@@ -436,12 +436,10 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int q_row = tid >> 5, q_chunk = tid & 31;
   const bool q_do = tid < kBits * 32;
   const bool q_ok = q_do && n_base + 4 * q_chunk < N;
-  // scales: 16 chunks; zeros: kBits/2 chunks (threads 240.. of the last warp, idle in the qweight copy for 4-bit)
+  // scales: 16 chunks (threads 240..255); zeros: 4 (4-bit) or 8 (8-bit) chunks (the threads just below)
   const bool s_do = tid >= 240;
   const int s_chunk = tid - 240;
   const bool s_ok = s_do && n_base + 8 * s_chunk < N;
-  const bool z_do = tid < 8 && tid < kBits / 2 * 1;  // 4-bit: 2 chunks? computed below
-  (void)z_do;
   constexpr int Z_CHUNKS = L::kZ / 16;     // 4 (4-bit) or 8 (8-bit)
   const int z_thread = tid - (240 - Z_CHUNKS);  // threads 240-Z_CHUNKS .. 239
   const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;

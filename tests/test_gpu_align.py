@@ -1,7 +1,7 @@
 """GPU moe_align_block_size equals the reference bit for bit (and keeps its invariants)."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from cupy_moe import reference
 from cupy_moe.align import MAX_EXPERTS, MAX_PAIRS, align_capacity, moe_align_block_size
