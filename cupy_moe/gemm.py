@@ -14,6 +14,7 @@ __all__ = ["fused_moe_gemm"]
 
 _FILE = "moe_gemm.cu"
 _WORKSPACES: dict = {}  # (device, stream) -> [partials float32, tickets int32]: grow-only, tickets kept at zero
+_SMEM_SET: dict = {}  # id(RawKernel) -> dynamic shared-memory bytes already allowed
 
 
 def _fail(name, expected, got, exc=ValueError):
@@ -53,7 +54,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         qzeros int32 [E, ceil(K/G), N*bits/32] real zeros or None (symmetric), g_idx int32 [E, K] or None;
         bits 4 or 8; group_size G in {-1 or a multiple of 32}.
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
-        `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16 or 64;
+        `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 64 or 128;
         `configs.choose_config(...).block_m` says which to use). Never read on the host.
     top_k: pairs per row of a (A for gate/up, 1 for down); P = M * top_k.
     topk_weights: float32 [M, top_k] or [P], or None: multiplies each row in fp32 before the single rounding.
@@ -157,22 +158,28 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     if block_m is None or p == 0 or n == 0:
         return out
     cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m)
+    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len)
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
     split = cfg.split_k
     cps = -(-chunks // split)
+    cps = -(-cps // cfg.ku) * cfg.ku  # slices start on a stage boundary (group mode 1 relies on it)
     split = -(-chunks // cps)  # no empty slices
     if split > 1:
         partials, tickets = _workspace(cp, split * capacity * n, blocks.size * n_tiles)
     else:
         partials = tickets = None
     # ---- launch
-    kern = _compile.get_kernel(_FILE, cfg.name_expression(bf16, bits, g_idx is not None))
+    kern = _compile.get_kernel(_FILE, name)
+    if smem and _SMEM_SET.get(id(kern), 0) < smem:  # opt in above 48 KiB once per kernel object
+        kern.max_dynamic_shared_size_bytes = smem
+        _SMEM_SET[id(kern)] = smem
     i32 = np.int32
     null = np.uintp(0)  # a null pointer argument
     opt = lambda x: null if x is None else x
     kern((blocks.size, n_tiles, split), (cfg.threads,),
          (a, qweight, scales, opt(qzeros), opt(g_idx),
           opt(topk_weights), sorted_ids, blocks, post, out, opt(partials), opt(tickets),
-          i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k), i32(p), i32(capacity), i32(split), i32(cps)))
+          i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k), i32(p), i32(capacity), i32(split), i32(cps)),
+         shared_mem=smem)
     return out

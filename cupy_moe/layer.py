@@ -24,7 +24,7 @@ from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
 from .weights import StackedGptqWeight
 
-__all__ = ["select_experts", "fused_moe", "MoELayer", "CapturedForward", "load_moe_layer", "load_moe_model"]
+__all__ = ["select_experts", "fused_moe", "MoELayer", "CapturedForward", "capture", "load_moe_layer", "load_moe_model"]
 
 _FILE = "moe_layer.cu"
 _THREADS = 256
@@ -296,33 +296,39 @@ class MoELayer:
         return (out.astype(np.float32) + shared).astype(hidden_states.dtype)
 
     def capture(self, hidden_states):
-        """Capture one forward on `hidden_states`' buffer into a CUDA graph.
-
-        Returns a `CapturedForward`; write new values into `hidden_states` (same array), call `.replay()`, and
-        read `.out`. The graph's intermediates live in a private memory pool held by the returned object.
-        """
-        cp = require_gpu("MoELayer.capture")
+        """Capture one forward on `hidden_states`' buffer into a CUDA graph (see `capture`)."""
         self._check_input(hidden_states)
-        stream = cp.cuda.Stream(non_blocking=True)
-        pool = cp.cuda.MemoryPool()
-        with stream:
-            self(hidden_states)  # warm-up: compiles kernels and sizes the GEMM's split-K workspace
-            stream.synchronize()
-            with cp.cuda.using_allocator(pool.malloc):
-                stream.begin_capture()
-                try:
-                    out = self(hidden_states)
-                finally:
-                    graph = stream.end_capture()
-        return CapturedForward(graph, stream, pool, hidden_states, out)
+        return capture(self, hidden_states)
+
+
+def capture(fn, *args):
+    """Capture `fn(*args)` (GPU work only, no host reads) into a CUDA graph.
+
+    Runs fn once eagerly (compiling kernels, sizing cached workspaces), then captures a second call on a private
+    stream with a private memory pool, which the returned `CapturedForward` holds so that the graph's
+    intermediates stay valid. Write new values into the same input arrays, then `replay()`; read `.out`.
+    """
+    cp = require_gpu("capturing a CUDA graph")
+    stream = cp.cuda.Stream(non_blocking=True)
+    pool = cp.cuda.MemoryPool()
+    with stream:
+        fn(*args)
+        stream.synchronize()
+        with cp.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            try:
+                out = fn(*args)
+            finally:
+                graph = stream.end_capture()
+    return CapturedForward(graph, stream, pool, args, out)
 
 
 class CapturedForward:
-    """A captured `MoELayer` forward: `replay()` reruns it on the current contents of `hidden_states`."""
+    """A captured call: `replay()` reruns it on the current contents of its input arrays (`.args`)."""
 
-    def __init__(self, graph, stream, pool, hidden_states, out):
+    def __init__(self, graph, stream, pool, args, out):
         self.graph, self.stream, self._pool = graph, stream, pool
-        self.hidden_states, self.out = hidden_states, out
+        self.args, self.out = args, out
 
     def replay(self):
         """Launch the graph on its stream and return `out` (synchronize or use the stream before reading)."""

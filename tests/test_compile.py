@@ -16,9 +16,7 @@ def _nvrtc_ok():
 
 pytestmark = pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC library not installed (pip install cupy_moe[nvrtc])")
 
-GEMM_NAMES = [cfg.name_expression(bf16, bits, act)
-              for cfg in configs.KERNEL_SHAPES.values()
-              for bf16 in (False, True) for bits in (4, 8) for act in (False, True)]
+GEMM_NAMES = configs.all_name_expressions()  # every instance the launcher can request
 ALIGN_NAMES = [f"moe_align_{kind}<{t}>" for kind in ("fused", "count", "scatter") for t in ("int", "long long")]
 ALIGN_NAMES.append("moe_align_scan")
 
