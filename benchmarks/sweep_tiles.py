@@ -5,6 +5,7 @@ Prints one line per (candidate, row): time in us and the fraction of the traffic
 """
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -15,8 +16,8 @@ from cupy_moe.configs import GemmConfig  # noqa: E402
 
 DECODE = [GemmConfig(1, 1, 4, 1, 4, 4), GemmConfig(1, 1, 4, 1, 2, 6), GemmConfig(1, 1, 4, 1, 2, 4),
           GemmConfig(1, 1, 4, 1, 4, 2)]
-PREFILL = [GemmConfig(2, 2, 2, 2, 1, 4), GemmConfig(4, 1, 4, 1, 1, 4), GemmConfig(2, 2, 4, 1, 1, 4),
-           GemmConfig(4, 1, 2, 1, 1, 4)]
+# tc kernel (moe_gemm_tc): block_m 64 and 128 at 3/4/5 stages; choose_config picks the block size per row
+PREFILL = [GemmConfig(2, 2, 4, 1, 1, st, kind="tc") for st in (3, 4, 5)]
 DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 16), ("Qwen3-30B-A3B", "gate_up", 64), ("DeepSeek-V3", "down", 16),
                ("Qwen3-30B-A3B", "down", 1)]
 PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Qwen3-30B-A3B", "gate_up", 4096), ("DeepSeek-V3", "down", 1024)]
@@ -29,11 +30,13 @@ def main():
         best = None
         for cand in cands:
             logt = 0.0
-            configs.KERNEL_SHAPES[block_m] = cand
             if block_m == 16:
                 configs.DECODE = cand
-            else:
+                configs.KERNEL_SHAPES[16] = cand
+            else:  # same stage count for both tc block sizes
                 configs.PREFILL = cand
+                configs.PREFILL_128 = replace(configs.PREFILL_128, stages=cand.stages)
+                configs.KERNEL_SHAPES[64], configs.KERNEL_SHAPES[128] = configs.PREFILL, configs.PREFILL_128
             for model, phase, m in rows:
                 r = bg.bench_row(model, phase, m, copy_bw, mm_rate, 10, rotations=4, baseline=False)
                 logt += math.log(r["time_us"])

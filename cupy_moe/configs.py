@@ -103,14 +103,11 @@ def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, gro
 def all_name_expressions() -> list[str]:
     """Every kernel instance the launcher can request (the NVRTC compile test compiles all of them)."""
     names = []
-    for cfg in list(KERNEL_SHAPES.values()) + list(ACT_ORDER_SHAPES.values()):
-        for bf16 in (False, True):
-            for bits in (4, 8):
-                if cfg.kind == "tc":
-                    names.append(cfg.name_expression(bf16, bits, False))
-                    continue
+    for bf16 in (False, True):
+        for bits in (4, 8):
+            for cfg in KERNEL_SHAPES.values():
                 for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
-                    names.append(cfg.name_expression(bf16, bits, act, glen))
+                    names.append(kernel_instance(cfg, bf16, bits, act, glen)[1])
     return list(dict.fromkeys(names))
 
 

@@ -79,7 +79,7 @@ def cases(draw):
     return dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=group_size, sym=draw(st.booleans()),
                 act_order=draw(st.booleans()), dtype_name=draw(st.sampled_from(["float16", "bfloat16"])),
                 routed=draw(st.booleans()), kind=draw(st.sampled_from(["uniform", "one", "few"])),
-                block_m=draw(st.sampled_from([None, 16, 64])), seed=draw(st.integers(0, 2**31)))
+                block_m=draw(st.sampled_from([None, 16, 64, 128])), seed=draw(st.integers(0, 2**31)))
 
 
 @given(cases())
@@ -94,6 +94,34 @@ def test_gemm_model_shapes(k, n, m):
     for bits in (4, 8):
         run_case(np.random.default_rng(k + n + m), e=8, m=m, a=2, k=k, n=n, bits=bits, group_size=128, sym=True,
                  act_order=False, dtype_name="float16", routed=True, kind="uniform")
+
+
+@pytest.mark.parametrize("block_m", [64, 128])
+@pytest.mark.parametrize("bits,sym,act_order,dtype_name", [
+    (4, False, False, "float16"), (4, True, False, "bfloat16"), (8, False, False, "float16"),
+    (8, True, False, "bfloat16"), (4, False, True, "float16")])
+def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name):
+    """The shared-memory (tc) kernel and its act-order fallback: partial tiles in M and N, groups of 32 and 128,
+    several experts, split-K (few CTAs, long K) and not."""
+    rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * act_order)
+    for e, m, a, k, n, gs in ((3, 200, 2, 1024, 160, 128), (8, 300, 2, 256, 288, 32), (2, 70, 1, 2048, 96, -1)):
+        run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
+                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m)
+
+
+def test_gemm_deterministic_prefill():
+    rng = np.random.default_rng(5)
+    e, m, a, k, n = 2, 130, 1, 4096, 128  # tc kernel, few CTAs: split-K active
+    w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    ids = cp.asarray(route(rng, m, e, a, "uniform"))
+    cfg = configs.choose_config(m, e, a, k, n, 4, 128)
+    assert cfg.kind == "tc" and cfg.split_k > 1
+    s, eids, post = moe_align_block_size(ids, cfg.block_m, e)
+    first = fused_moe_gemm(x, w, s, eids, post, a)
+    for _ in range(10):
+        again = fused_moe_gemm(x, w, s, eids, post, a)
+        assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
 
 
 def test_gemm_deterministic():
