@@ -1,63 +1,37 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, compute-sanitizer memcheck on a small fuzz batch, the benchmark; logs under $OUT.
-# Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh [bench args...]
+# One device call that checks everything GPU-side; logs under $OUT (at most 8 files come back):
+#   tests.log (the whole suite), memcheck.log, bench.txt/.json + performance.png (one GEMM phase),
+#   layer.txt (whole layer in a CUDA graph), demo.txt, examples.txt.
+# Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
+# STAGES picks stages (default all); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-STAGES=${STAGES:-tests,memcheck,bench}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader > "$OUT/gpu.txt" 2>&1
-summary=()
+STAGES=${STAGES:-tests,memcheck,bench,layer,demo,examples}
+summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
 
-if [[ $STAGES == *tests* ]]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_align.py tests/test_gpu_gemm.py \
-    ${PYTEST_ARGS:-} > "$OUT/tests.log" 2>&1
-  summary+=("tests rc=$? :: $(tail -n 1 "$OUT/tests.log")")
-fi
+stage() {  # stage NAME TIMEOUT LOG COMMAND...
+  local name=$1 limit=$2 log=$3; shift 3
+  [[ $STAGES == *$name* ]] || return 0
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer' "$log" | tail -n 3 | tr '\n' ' ')")
+}
 
-if [[ $STAGES == *memcheck* ]]; then
-  cat > /tmp/fuzz_batch.py <<'PY'
-import sys, numpy as np
-sys.path.insert(0, "tests")
-import test_gpu_gemm as t
-rng = np.random.default_rng(7)
-for i in range(6):
-    case = dict(e=int(rng.choice([1, 8, 60])), m=int(rng.choice([0, 1, 17, 70])), a=1, k=int(rng.choice([64, 256])),
-                n=int(rng.choice([32, 96])), bits=int(rng.choice([4, 8])), group_size=int(rng.choice([32, 64, -1])),
-                sym=bool(i % 2), act_order=bool(i % 3 == 0), dtype_name="float16", routed=bool(i % 2),
-                kind="uniform", block_m=[16, 64][i % 2])
-    case["a"] = int(min(case["e"], 1 + i % 3))
-    t.run_case(rng, **case)
-import cupy as cp
-from cupy_moe.align import moe_align_block_size
-moe_align_block_size(cp.asarray(rng.integers(0, 64, size=(5000, 4)).astype(np.int32)), 16, 64)  # multi-CTA path
-cp.cuda.Device().synchronize()
-print("fuzz batch ok")
-PY
-  timeout ${MEMCHECK_TIMEOUT:-200} compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
-    python3 /tmp/fuzz_batch.py > "$OUT/memcheck.log" 2>&1
-  summary+=("memcheck rc=$? :: $(grep -E 'ERROR SUMMARY|fuzz batch ok' "$OUT/memcheck.log" | tr '\n' ' ')")
-fi
-
-if [[ $STAGES == *sweep* ]]; then
-  timeout ${SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_tiles.py > "$OUT/sweep.txt" 2>&1
-  summary+=("sweep rc=$?")
-  W=$(grep '^winners' "$OUT/sweep.txt" | tail -n 1)
-  if [[ -n $W ]]; then
-    D=${W#*decode=}; D=${D%% *}; P=${W#*prefill=}
-    BENCH_ARGS="${BENCH_ARGS:-} --decode-tile $D --prefill-tile $P"
-  fi
-fi
-
-if [[ $STAGES == *bench* ]]; then
-  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_gemm.py --json "$OUT/bench.json" ${BENCH_ARGS:-} \
-    > "$OUT/bench.txt" 2>&1
-  summary+=("bench rc=$?")
-fi
+stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests
+stage bench "${BENCH_TIMEOUT:-190}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json "$OUT/bench.json" ${BENCH_ARGS:-}
+[[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
+stage demo "${DEMO_TIMEOUT:-80}" "$OUT/demo.txt" python3 -m cupy_moe demo
+stage layer "${LAYER_TIMEOUT:-50}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py
+stage memcheck "${MEMCHECK_TIMEOUT:-70}" "$OUT/memcheck.log" \
+  compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 python3 benchmarks/memcheck_batch.py
+stage examples "${EXAMPLES_TIMEOUT:-30}" "$OUT/examples.txt" \
+  bash -c 'for f in examples/*.py; do echo "== $f"; python3 "$f" || echo "FAILED $f"; done'
 
 echo "==================== summary"
-cat "$OUT/gpu.txt"
-grep -E "passed|failed|Error|error" "$OUT/tests.log" 2>/dev/null | tail -n 15
-[[ -f "$OUT/sweep.txt" ]] && grep -v "^#" "$OUT/sweep.txt" | tail -n 40
-[[ -f "$OUT/bench.txt" ]] && cat "$OUT/bench.txt" | tail -n 110
+grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | head -n 25
+[[ -f $OUT/bench.txt ]] && grep -vE "^#" "$OUT/bench.txt" | awk '{print $1, $2, $3, $6, $9, $10, $12, $13}' | column -t | tail -n 100
+[[ -f $OUT/layer.txt ]] && cat "$OUT/layer.txt"
+[[ -f $OUT/demo.txt ]] && tail -n 4 "$OUT/demo.txt"
 printf '%s\n' "${summary[@]}"

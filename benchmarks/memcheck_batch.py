@@ -1,0 +1,28 @@
+"""A small fuzz batch of GEMM cases, the multi-CTA align path and a layer forward, for compute-sanitizer."""
+import sys, numpy as np
+sys.path.insert(0, "tests")
+import test_gpu_gemm as t
+rng = np.random.default_rng(7)
+for i in range(6):
+    case = dict(e=int(rng.choice([1, 8, 60])), m=int(rng.choice([0, 1, 17, 70])), a=1, k=int(rng.choice([64, 256])),
+                n=int(rng.choice([32, 96])), bits=int(rng.choice([4, 8])), group_size=int(rng.choice([32, 64, -1])),
+                sym=bool(i % 2), act_order=bool(i % 3 == 0), dtype_name="float16", routed=bool(i % 2),
+                kind="uniform", block_m=[16, 64][i % 2])
+    case["a"] = int(min(case["e"], 1 + i % 3))
+    t.run_case(rng, **case)
+import cupy as cp
+from cupy_moe.align import moe_align_block_size
+moe_align_block_size(cp.asarray(rng.integers(0, 64, size=(5000, 4)).astype(np.int32)), 16, 64)  # multi-CTA path
+cp.cuda.Device().synchronize()
+# A whole layer forward through the layer kernels (select_experts, silu_and_mul, moe_sum) too.
+import tempfile
+import cupy_moe
+from cupy_moe.testing import write_checkpoint
+with tempfile.TemporaryDirectory() as folder:
+    write_checkpoint(folder, family="qwen2_moe", hidden=128, intermediate=192, num_experts=8, top_k=3,
+                     return_weights=False)
+    layer = cupy_moe.load_moe_layer(folder, 0)
+    for m in (1, 7, 40):
+        layer(cp.asarray(rng.standard_normal((m, 128)).astype(np.float16)))
+cp.cuda.Device().synchronize()
+print("fuzz batch ok")
