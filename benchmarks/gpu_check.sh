@@ -31,7 +31,7 @@ stage examples "${EXAMPLES_TIMEOUT:-30}" "$OUT/examples.txt" \
 
 echo "==================== summary"
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | head -n 25
-[[ -f $OUT/bench.txt ]] && grep -vE "^#" "$OUT/bench.txt" | awk '{print $1, $2, $3, $6, $9, $10, $12, $13}' | column -t | tail -n 100
+[[ -f $OUT/bench.txt ]] && grep -vE '^#' "$OUT/bench.txt" | awk '{printf "%-18s %-7s %5s %9s %6s %6s %7s %s\n", $1, $2, $3, $6, $9, $10, $12, $13}' | tail -n 100
 [[ -f $OUT/layer.txt ]] && cat "$OUT/layer.txt"
 [[ -f $OUT/demo.txt ]] && tail -n 4 "$OUT/demo.txt"
 printf '%s\n' "${summary[@]}"
