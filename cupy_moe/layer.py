@@ -32,7 +32,8 @@ _MAX_GRID = 132 * 16  # grid-stride loops: enough CTAs to fill an H100/H200 seve
 _CTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "float"}  # element types of kernels/moe_layer.cu
 # Every instance the launchers below can ask for (the NVRTC compile test builds each one).
 KERNEL_NAMES = ([f"select_experts<{t}>" for t in ("float", "f16", "bf16")]
-                + [f"{k}<{t}>" for k in ("silu_and_mul", "moe_sum") for t in ("f16", "bf16")])
+                + [f"{k}<{t}>" for k in ("silu_and_mul", "moe_sum") for t in ("f16", "bf16")]
+                + [f"router_logits<{x}, {w}>" for x in ("f16", "bf16") for w in ("f16", "float")])
 
 
 def _ctype(name, dtype, allowed=("float16", "bfloat16")):
@@ -82,6 +83,25 @@ def select_experts(router_logits, top_k, renormalize=False):
                (logits, weights, ids, np.int32(m), np.int32(e), np.int32(top_k), np.int32(bool(renormalize))),
                shared_mem=warps * e * 4)
     return weights, ids
+
+
+def _linear_f32(x, w):
+    """x [M, H] @ w[E, H].T in float32 -> [M, E]. On the GPU a plain kernel (capturable in a CUDA graph)."""
+    if not is_device_array(x):
+        return x.astype(np.float32) @ w.astype(np.float32).T
+    cp = require_gpu("router logits")
+    if w.dtype not in (np.float16, np.float32):
+        w = w.astype(np.float32)
+    m, h = x.shape
+    e = w.shape[0]
+    out = cp.empty((m, e), cp.float32)
+    if m:
+        name = f"router_logits<{_ctype('hidden_states', x.dtype)}, {_CTYPES[np.dtype(w.dtype).name]}>"
+        warps = _THREADS // 32
+        _compile.get_kernel(_FILE, name)((-(-m * e // warps),), (_THREADS,),
+                                         (cp.ascontiguousarray(x), cp.ascontiguousarray(w), out,
+                                          np.int32(m), np.int32(e), np.int32(h)))
+    return out
 
 
 def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
@@ -161,6 +181,8 @@ def _experts_general(x, w13, w2, b13, b2, weights, ids):
     xp = _xp_of(x)
     dtype = x.dtype
     m, a = ids.shape
+    if m == 0:
+        return xp.zeros((0, x.shape[1]), dtype)
     e_p = ids.reshape(-1)                                  # [P] expert of each pair
     w_p = weights.reshape(-1).astype(np.float32)           # [P]
 
@@ -228,7 +250,7 @@ class MoELayer:
         self._check_input(hidden_states)
         w = self.weights
         xp = _xp_of(hidden_states)
-        logits = hidden_states.astype(np.float32) @ w.router_weight.astype(np.float32).T  # [M, E]
+        logits = _linear_f32(hidden_states, w.router_weight)  # [M, E] float32
         if w.router_bias is not None:
             logits += w.router_bias
         grouped = w.topk_method in ("group_limited_greedy", "noaux_tc") and (w.n_group or 1) > 1
@@ -252,16 +274,29 @@ class MoELayer:
         else:
             raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {w.scoring_func!r}")
         choice = scores if w.e_score_correction_bias is None else scores + w.e_score_correction_bias
+        # Top-k by repeated argmax (first maximum = lower index on ties): elementwise and reduction kernels only,
+        # so the GPU version needs no sort and stays capturable in a CUDA graph.
+        def take_top(values, k):  # [M, X] -> indices [M, k], and values with those entries masked to -inf
+            picked = []
+            for _ in range(k):
+                idx = values.argmax(axis=1)
+                picked.append(idx)
+                values = xp.where(xp.arange(values.shape[1])[None, :] == idx[:, None], -xp.inf, values)
+            return xp.stack(picked, axis=1), values
+
         if grouped:
             per_group = choice.reshape(m, w.n_group, e // w.n_group)           # [M, groups, E/groups]
+            first = per_group.max(axis=2)
             if w.topk_method == "noaux_tc":  # V3: a group scores the sum of its two best experts
-                group_score = xp.sort(per_group, axis=2)[:, :, -2:].sum(axis=2)
+                _, rest = take_top(per_group.reshape(m * w.n_group, -1), 1)
+                group_score = first + rest.reshape(m, w.n_group, -1).max(axis=2)
             else:                            # V2: a group scores its best expert
-                group_score = per_group.max(axis=2)
-            rank = xp.argsort(xp.argsort(-group_score, axis=1, kind="stable"), axis=1, kind="stable")
-            keep = (rank < w.topk_group)[:, :, None]
-            choice = xp.where(keep, per_group, -xp.inf).reshape(m, e)
-        ids = xp.argsort(-choice, axis=1, kind="stable")[:, :w.top_k].astype(np.int32)
+                group_score = first
+            kept, _ = take_top(group_score, w.topk_group)                    # [M, topk_group]
+            keep = (xp.arange(w.n_group)[None, :, None] == kept[:, None, :]).any(axis=2)  # [M, groups]
+            choice = xp.where(keep[:, :, None], per_group, -xp.inf).reshape(m, e)
+        ids, _ = take_top(choice, w.top_k)
+        ids = ids.astype(np.int32)
         weights = xp.take_along_axis(scores, ids, axis=1).astype(np.float32)
         if w.renormalize:
             weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(1e-20))
@@ -291,7 +326,7 @@ class MoELayer:
             shared = _experts_general(hidden_states, s.gate_up, s.down, s.gate_up_bias, s.down_bias, one, zero)
         shared = shared.astype(np.float32)
         if w.shared_gate_weight is not None:
-            gate = hidden_states.astype(np.float32) @ w.shared_gate_weight.astype(np.float32).T  # [M, 1]
+            gate = _linear_f32(hidden_states, w.shared_gate_weight)  # [M, 1]
             shared = shared / (1.0 + xp.exp(-gate))
         return (out.astype(np.float32) + shared).astype(hidden_states.dtype)
 

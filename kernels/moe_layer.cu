@@ -111,3 +111,22 @@ __global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, lon
     out_mh[t] = from_float<T>(acc);
   }
 }
+
+// logits[m, e] = sum over h of x[m, h] * w[e, h] in float32, one warp per (m, e), lanes striding h and a fixed
+// butterfly at the end: deterministic, and (unlike cuBLAS through CuPy) usable inside a CUDA graph capture.
+// The router is small next to the experts (E * H weights against E * 3 * H * I), so plain FMAs suffice.
+template <typename TX, typename TW>
+__global__ void router_logits(const TX* __restrict__ x_mh, const TW* __restrict__ w_eh, float* __restrict__ out_me,
+                              int M, int E, int H) {
+  const int lane = threadIdx.x & 31;
+  const long long task = blockIdx.x * static_cast<long long>(blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (task >= static_cast<long long>(M) * E) return;
+  const long long m = task / E;
+  const int e = static_cast<int>(task - m * E);
+  const TX* x = x_mh + m * H;
+  const TW* w = w_eh + static_cast<long long>(e) * H;
+  float acc = 0.f;
+  for (int h = lane; h < H; h += 32) acc += to_float(x[h]) * to_float(w[h]);
+  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+  if (lane == 0) out_me[task] = acc;
+}

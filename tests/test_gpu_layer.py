@@ -41,8 +41,9 @@ QUIRKS = [
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("family,extra", QUIRKS)
 def test_layer_gpu_matches_dense_reference(tmp_path, family, extra, dtype):
-    write_checkpoint(tmp_path, family=family, hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
-                     return_weights=False, **extra)
+    spec = dict(hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128, return_weights=False)
+    spec.update(extra)
+    write_checkpoint(tmp_path, family=family, **spec)
     gpu = cupy_moe.load_moe_layer(tmp_path, 0)
     host = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
     dt = _dtype(dtype)
