@@ -288,8 +288,8 @@ class MoELayer:
             per_group = choice.reshape(m, w.n_group, e // w.n_group)           # [M, groups, E/groups]
             first = per_group.max(axis=2)
             if w.topk_method == "noaux_tc":  # V3: a group scores the sum of its two best experts
-                _, rest = take_top(per_group.reshape(m * w.n_group, -1), 1)
-                group_score = first + rest.reshape(m, w.n_group, -1).max(axis=2)
+                _, rest = take_top(per_group.reshape(m * w.n_group, e // w.n_group), 1)
+                group_score = first + rest.reshape(m, w.n_group, e // w.n_group).max(axis=2)
             else:                            # V2: a group scores its best expert
                 group_score = first
             kept, _ = take_top(group_score, w.topk_group)                    # [M, topk_group]
