@@ -32,16 +32,7 @@ from cupy_moe.align import moe_align_block_size  # noqa: E402
 from cupy_moe.gemm import fused_moe_gemm  # noqa: E402
 from cupy_moe.weights import StackedGptqWeight  # noqa: E402
 
-MODELS = {  # name: (H, I, E, A)
-    "Mixtral-8x7B": (4096, 14336, 8, 2),
-    "Mixtral-8x22B": (6144, 16384, 8, 2),
-    "Qwen1.5-MoE-A2.7B": (2048, 1408, 60, 4),
-    "Qwen2-57B-A14B": (3584, 2560, 64, 8),
-    "Qwen3-30B-A3B": (2048, 768, 128, 8),
-    "Qwen3-235B-A22B": (4096, 1536, 128, 8),
-    "DeepSeek-V2-Lite": (2048, 1408, 64, 6),
-    "DeepSeek-V3": (7168, 2048, 256, 8),
-}
+MODELS = configs.MODEL_SHAPES  # name: (H, I, E, A)
 G = 128
 BITS = 4
 

@@ -1,4 +1,4 @@
-"""Command line: `python -m cupy_moe demo | inspect PATH | bench`."""
+"""Command line: `python -m cupy_moe demo | inspect PATH | bench | tune`."""
 from __future__ import annotations
 
 import argparse
@@ -160,6 +160,13 @@ def bench(args) -> int:
     return 0
 
 
+def tune(args) -> int:
+    from .tune import tune as run_tune
+    models = args.models.split(",") if args.models else None
+    run_tune(models, tuple(int(v) for v in args.m.split(",")), reps=args.reps, save=not args.dry_run)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cupy_moe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +186,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="run benchmarks/bench_gemm.py (arguments after -- go to it)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=bench)
+    p = sub.add_parser("tune", help="time GEMM configurations on this GPU and cache the fastest per problem")
+    p.add_argument("--models", help="comma-separated model names of SHAPES.md (default: all)")
+    p.add_argument("--m", default="1,4,16,64,256,1024,4096", help="token counts M (default 1,4,16,64,256,1024,4096)")
+    p.add_argument("--reps", type=int, default=10, help="calls per timing round (default 10)")
+    p.add_argument("--dry-run", action="store_true", help="measure and print, but do not write the cache")
+    p.set_defaults(func=tune)
     args = parser.parse_args(argv)
     return args.func(args)
 

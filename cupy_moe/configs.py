@@ -18,10 +18,28 @@ most 16 (deterministic: partials reduced in fixed order by the last CTA of each 
 """
 from __future__ import annotations
 
+import functools
+import json
+import os
+import warnings
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 __all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS",
-           "kernel_instance", "all_name_expressions"]
+           "kernel_instance", "all_name_expressions", "MODEL_SHAPES", "tuned_cache_path", "tuning_key",
+           "tuned_table", "save_tuned"]
+
+# The MoE shapes of SHAPES.md: name -> (H, I, E, A). Benchmarks and `python -m cupy_moe tune` use these.
+MODEL_SHAPES = {
+    "Mixtral-8x7B": (4096, 14336, 8, 2),
+    "Mixtral-8x22B": (6144, 16384, 8, 2),
+    "Qwen1.5-MoE-A2.7B": (2048, 1408, 60, 4),
+    "Qwen2-57B-A14B": (3584, 2560, 64, 8),
+    "Qwen3-30B-A3B": (2048, 768, 128, 8),
+    "Qwen3-235B-A22B": (4096, 1536, 128, 8),
+    "DeepSeek-V2-Lite": (2048, 1408, 64, 6),
+    "DeepSeek-V3": (7168, 2048, 256, 8),
+}
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 _TARGET_CTAS = {"reg": 3 * NUM_SMS, "tc": 2 * NUM_SMS}  # about one wave of resident CTAs
@@ -119,7 +137,11 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     m = M*A rows and a = 1), k: K, n: N, bits, group_size: G (-1 = one group).
     block_m: force the tile height (the align block size already used); None = heuristic.
     Returns a GemmConfig; its `block_m` is the block size to align with.
+    A configuration measured by `python -m cupy_moe tune` for this GPU and problem wins over the heuristic.
     """
+    tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
+    if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
+        return replace(KERNEL_SHAPES[tuned["block_m"]], split_k=tuned["split_k"])
     pairs = max(1, m * a)
     touched = min(e, pairs)
     rows = pairs / touched
@@ -138,3 +160,94 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     while split < max_split and ctas * split < _TARGET_CTAS.get(base.kind, 2 * NUM_SMS):
         split += 1
     return replace(base, split_k=split)
+
+
+# ---------------------------------------------------------------- tuned configurations
+# `python -m cupy_moe tune` times the candidates on the GPU at hand and stores the winners in one JSON file,
+# {gpu name: {tuning_key: {"block_m", "split_k", "time_us"}}}, read once per process. Problems it has no entry
+# for use the heuristic above; when the file holds entries for this GPU but not for a problem, a warning says so
+# once per problem.
+
+def tuned_cache_path() -> Path:
+    """$CUPY_MOE_CACHE_DIR, else $XDG_CACHE_HOME/cupy_moe, else ~/.cache/cupy_moe; file tuned_configs.json."""
+    root = os.environ.get("CUPY_MOE_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cupy_moe"
+    return Path(root) / "tuned_configs.json"
+
+
+def tuning_key(e: int, k: int, n: int, bits: int, group_size: int, pairs: int) -> str:
+    """One entry per (E, K, N, bits, G, bucket of P = M*A pairs); buckets are powers of two."""
+    bucket = 1 << max(0, int(pairs) - 1).bit_length()
+    return f"E{e}_K{k}_N{n}_b{bits}_G{group_size}_P{bucket}"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        warnings.warn(f"cupy_moe: ignoring the tuned-config cache {path}: {exc}", stacklevel=3)
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _device_name() -> str | None:
+    from . import _xp
+    if not _xp.gpu_available():
+        return None
+    return _gpu_name(_xp.cupy.cuda.Device().id)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(device_id: int) -> str:
+    from . import _xp
+    name = _xp.cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def tuned_table(gpu: str | None = None) -> dict:
+    """The in-memory tuned entries of one GPU (default: the current device; {} without a GPU); mutable."""
+    gpu = gpu or _device_name()
+    if gpu is None:
+        return {}
+    return _load_cache(tuned_cache_path()).setdefault(gpu, {})
+
+
+_WARNED: set = set()
+
+
+def _tuned_entry(e, k, n, bits, group_size, pairs):
+    table = tuned_table()
+    if not table or pairs <= 0:
+        return None
+    key = tuning_key(e, k, n, bits, group_size, pairs)
+    entry = table.get(key)
+    if entry is None:
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"cupy_moe: no tuned GEMM config for {key} in {tuned_cache_path()}; using the heuristic "
+                          "(python -m cupy_moe tune measures one)", stacklevel=4)
+        return None
+    try:
+        block_m, split_k = int(entry["block_m"]), int(entry["split_k"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    if block_m not in KERNEL_SHAPES or not 1 <= split_k <= _MAX_SPLIT:
+        return None
+    return {"block_m": block_m, "split_k": split_k}
+
+
+def save_tuned(gpu: str, entries: dict) -> Path:
+    """Merge {tuning_key: {"block_m", "split_k", "time_us"}} for `gpu` into the cache file; returns its path."""
+    path = tuned_cache_path()
+    data = dict(_load_cache(path))
+    data.setdefault(gpu, {}).update(entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    tmp.replace(path)
+    _load_cache.cache_clear()
+    return path

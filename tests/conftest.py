@@ -1,9 +1,13 @@
 import os
+import tempfile
 
 import pytest
 from hypothesis import HealthCheck, settings
 
-from cupy_moe._xp import gpu_available
+# Tests never read a user's tuned-config cache (python -m cupy_moe tune): they get an empty folder of their own.
+os.environ["CUPY_MOE_CACHE_DIR"] = tempfile.mkdtemp(prefix="cupy_moe_test_cache_")
+
+from cupy_moe._xp import gpu_available  # noqa: E402
 
 # `ci` keeps the whole suite well under 10 minutes on 2 cores; `dev` digs deeper.
 settings.register_profile("ci", max_examples=40, deadline=None,

@@ -1,0 +1,99 @@
+"""`python -m cupy_moe tune`: time the GEMM configurations on this GPU and keep the fastest.
+
+For each model shape (configs.MODEL_SHAPES), phase and token count M, every supported block_m and every split-K
+factor the kernel allows are timed on random 4-bit weights (CUDA events, median of several rounds after a
+warm-up); the winner goes into the tuned-config cache (`configs.tuned_cache_path()`), which `choose_config` reads
+from then on. Only the speed changes: every configuration computes bitwise the same function of its inputs
+within its block_m (split-K sums in a fixed order), and all of them pass the same tests.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+
+from . import configs
+from ._xp import require_gpu
+from .align import moe_align_block_size
+from .gemm import fused_moe_gemm
+from .weights import StackedGptqWeight
+
+__all__ = ["tune"]
+
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def _random_weight(cp, e, k, n, bits, group_size, seed):
+    rs = cp.random.RandomState(seed)
+    groups = -(-k // (k if group_size == -1 else group_size))
+    qweight = rs.randint(-2**31, 2**31 - 1, size=(e, k * bits // 32, n), dtype=cp.int32)
+    scales = (rs.uniform(0.5, 1.5, size=(e, groups, n)) / (2**bits * math.sqrt(k))).astype(cp.float16)
+    qzeros = rs.randint(-2**31, 2**31 - 1, size=(e, groups, n * bits // 32), dtype=cp.int32)
+    return StackedGptqWeight(qweight, scales, qzeros, None, bits=bits, group_size=group_size)
+
+
+def _time(cp, fn, reps, rounds=3):
+    """Median over `rounds` of the mean seconds per call of `reps` back-to-back calls, after a warm-up."""
+    fn()
+    fn()
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    samples = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3 / reps)
+    return float(np.median(samples))
+
+
+def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=128, reps=10, save=True,
+         log=print) -> dict:
+    """Measure and (when `save`) store the fastest configuration of every (model, phase, M) asked for.
+
+    models: names of configs.MODEL_SHAPES (default all). ms: token counts M. Returns {tuning_key: entry}.
+    """
+    cp = require_gpu("python -m cupy_moe tune")
+    gpu = configs._device_name()
+    table = configs.tuned_table(gpu)
+    rng = np.random.default_rng(0)
+    found = {}
+    for model in models or configs.MODEL_SHAPES:
+        if model not in configs.MODEL_SHAPES:
+            raise ValueError(f"models: expected names from {sorted(configs.MODEL_SHAPES)}, got {model!r}")
+        h, inter, e, a = configs.MODEL_SHAPES[model]
+        for phase, k, n in (("gate_up", h, 2 * inter), ("down", inter, h)):
+            weight = _random_weight(cp, e, k, n, bits, group_size, seed=len(found))
+            for m in ms:
+                rows, top_k = (m, a) if phase == "gate_up" else (m * a, 1)
+                ids = cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
+                x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
+                out = cp.empty((m * a, n), cp.float16)
+                key = configs.tuning_key(e, k, n, bits, group_size, m * a)
+                table.pop(key, None)
+                with warnings.catch_warnings():  # the "no tuned config" note is expected here
+                    warnings.simplefilter("ignore")
+                    heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size)
+                candidates = {(heuristic.block_m, heuristic.split_k)}
+                for block_m in configs.SUPPORTED_BLOCK_M:
+                    max_split = max(1, min(configs._MAX_SPLIT, (k // 32) // (2 * configs.KERNEL_SHAPES[block_m].ku)))
+                    candidates.update((block_m, s) for s in SPLITS if s <= max_split)
+                timings = {}
+                for block_m, split in sorted(candidates):
+                    aligned = moe_align_block_size(ids, block_m, e)
+                    table[key] = {"block_m": block_m, "split_k": split}  # choose_config now returns it
+                    timings[block_m, split] = _time(cp, lambda: fused_moe_gemm(x, weight, *aligned, top_k, out=out),
+                                                    reps)
+                del table[key]
+                (block_m, split), best = min(timings.items(), key=lambda kv: kv[1])
+                base = timings[heuristic.block_m, heuristic.split_k]
+                found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
+                log(f"{model:18s} {phase:7s} M={m:5d}  best block_m={block_m:3d} split_k={split:2d} "
+                    f"{best * 1e6:9.1f} us; the heuristic's ({heuristic.block_m}, {heuristic.split_k}) "
+                    f"{base * 1e6:9.1f} us")
+            cp.get_default_memory_pool().free_all_blocks()
+    if save and found:
+        log(f"saved {len(found)} configurations for {gpu} to {configs.save_tuned(gpu, found)}")
+    return found

@@ -1,0 +1,67 @@
+"""Tile choice: the heuristic and the tuned-config cache written by `python -m cupy_moe tune`. CPU only."""
+import json
+import warnings
+
+import pytest
+
+from cupy_moe import configs
+
+
+@pytest.fixture
+def fake_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(configs, "_device_name", lambda: "Fake GPU")
+    configs._WARNED.clear()
+    return tmp_path / "tuned_configs.json"
+
+
+def test_heuristic_block_sizes_follow_rows_per_expert():
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_m == 16
+    assert configs.choose_config(400, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 100 rows per expert
+    assert configs.choose_config(4096, 8, 2, 4096, 28672, 4, 128).block_m == 128    # 1024 rows per expert
+    cfg = configs.choose_config(1, 8, 2, 4096, 4096, 4, 128)
+    assert 1 < cfg.split_k <= 16  # few tiles: split-K fills the SMs
+
+
+def test_tuning_key_buckets_pairs_by_powers_of_two():
+    assert configs.tuning_key(8, 4096, 28672, 4, 128, 1) == "E8_K4096_N28672_b4_G128_P1"
+    assert configs.tuning_key(8, 4096, 28672, 4, 128, 5).endswith("_P8")
+    assert configs.tuning_key(8, 4096, 28672, 4, 128, 8).endswith("_P8")
+    assert configs.tuning_key(8, 4096, 28672, 4, 128, 9).endswith("_P16")
+
+
+def test_tuned_entry_wins_and_survives_a_reload(fake_gpu):
+    key = configs.tuning_key(8, 4096, 28672, 4, 128, 2)
+    path = configs.save_tuned("Fake GPU", {key: {"block_m": 64, "split_k": 3, "time_us": 10.0}})
+    assert path == fake_gpu
+    assert json.loads(path.read_text())["Fake GPU"][key]["split_k"] == 3
+    cfg = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
+    assert (cfg.block_m, cfg.split_k) == (64, 3)
+    # an align block size forced by the caller that differs from the tuned one keeps the heuristic
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128, block_m=16).block_m == 16
+
+
+def test_missing_problem_falls_back_with_one_note(fake_gpu):
+    heuristic = configs.choose_config(1, 8, 2, 4096, 4096, 4, 128)  # no cache file yet: silent heuristic
+    configs.save_tuned("Fake GPU", {"E1_K32_N32_b4_G32_P1": {"block_m": 16, "split_k": 1}})
+    with pytest.warns(UserWarning, match=r"no tuned GEMM config for E8_K4096_N4096_b4_G128_P2 .* heuristic"):
+        assert configs.choose_config(1, 8, 2, 4096, 4096, 4, 128) == heuristic
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once per problem, not per call
+        configs.choose_config(1, 8, 2, 4096, 4096, 4, 128)
+
+
+def test_invalid_or_corrupt_cache_is_ignored(fake_gpu):
+    key = configs.tuning_key(8, 4096, 4096, 4, 128, 2)
+    configs.save_tuned("Fake GPU", {key: {"block_m": 48, "split_k": 3}})
+    assert configs.choose_config(1, 8, 2, 4096, 4096, 4, 128).block_m == 16
+    fake_gpu.write_text("{not json")
+    configs._load_cache.cache_clear()
+    with pytest.warns(UserWarning, match="ignoring the tuned-config cache"):
+        assert configs.choose_config(1, 8, 2, 4096, 4096, 4, 128).block_m == 16
+
+
+def test_no_gpu_no_cache_lookups(monkeypatch, tmp_path):
+    monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(configs, "_device_name", lambda: None)
+    assert configs.tuned_table() == {}
