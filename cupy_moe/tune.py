@@ -1,8 +1,8 @@
 """`python -m cupy_moe tune`: time the GEMM configurations on this GPU and keep the fastest.
 
 For each model shape (configs.MODEL_SHAPES), phase and token count M, every supported block_m and every split-K
-factor the kernel allows are timed on random 4-bit weights (CUDA events, median of several rounds after a
-warm-up); the winner goes into the tuned-config cache (`configs.tuned_cache_path()`), which `choose_config` reads
+factor the kernel allows are timed on random 4-bit weights: one CUDA graph of 4 calls over different routings,
+replayed `reps` times, median per call (so Python's launch overhead and L2 residency stay out); the winner goes into the tuned-config cache (`configs.tuned_cache_path()`), which `choose_config` reads
 from then on. Only the speed changes: every configuration computes bitwise the same function of its inputs
 within its block_m (split-K sums in a fixed order), and all of them pass the same tests.
 """
@@ -22,6 +22,7 @@ from .weights import StackedGptqWeight
 __all__ = ["tune"]
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+ROTATIONS = 4
 
 
 def _random_weight(cp, e, k, n, bits, group_size, seed):
@@ -33,19 +34,27 @@ def _random_weight(cp, e, k, n, bits, group_size, seed):
     return StackedGptqWeight(qweight, scales, qzeros, None, bits=bits, group_size=group_size)
 
 
-def _time(cp, fn, reps, rounds=3):
-    """Median over `rounds` of the mean seconds per call of `reps` back-to-back calls, after a warm-up."""
-    fn()
-    fn()
+def _graph_time(cp, stream, calls, reps):
+    """Median GPU seconds per call of `calls` (zero-argument launches), captured once in a CUDA graph and replayed:
+    Python's launch overhead stays out, as in benchmarks/bench_gemm.py."""
+    with stream:
+        for call in calls:  # warm-up: compiles the instance and sizes this stream's split-K workspace
+            call()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for call in calls:
+                call()
+        finally:
+            graph = stream.end_capture()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     samples = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(reps):
-            fn()
-        stop.record()
+    for _ in range(reps):
+        start.record(stream)
+        graph.launch(stream=stream)
+        stop.record(stream)
         stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3 / reps)
+        samples.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3 / len(calls))
     return float(np.median(samples))
 
 
@@ -53,13 +62,18 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
          log=print) -> dict:
     """Measure and (when `save`) store the fastest configuration of every (model, phase, M) asked for.
 
-    models: names of configs.MODEL_SHAPES (default all). ms: token counts M. Returns {tuning_key: entry}.
+    models: names of configs.MODEL_SHAPES (default all). ms: token counts M >= 1. reps: graph replays per
+    candidate. Returns {tuning_key: entry}.
     """
+    bad = [m for m in ms if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1]
+    if bad:
+        raise ValueError(f"ms: expected token counts M >= 1, got {bad}")
     cp = require_gpu("python -m cupy_moe tune")
     gpu = configs._device_name()
     table = configs.tuned_table(gpu)
     rng = np.random.default_rng(0)
     found = {}
+    stream = cp.cuda.Stream(non_blocking=True)
     for model in models or configs.MODEL_SHAPES:
         if model not in configs.MODEL_SHAPES:
             raise ValueError(f"models: expected names from {sorted(configs.MODEL_SHAPES)}, got {model!r}")
@@ -68,7 +82,9 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
             weight = _random_weight(cp, e, k, n, bits, group_size, seed=len(found))
             for m in ms:
                 rows, top_k = (m, a) if phase == "gate_up" else (m * a, 1)
-                ids = cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
+                # several routings per timing, so that L2 does not keep one routing's experts between calls
+                routings = [cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
+                            for _ in range(ROTATIONS)]
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
@@ -82,10 +98,10 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                     candidates.update((block_m, s) for s in SPLITS if s <= max_split)
                 timings = {}
                 for block_m, split in sorted(candidates):
-                    aligned = moe_align_block_size(ids, block_m, e)
+                    aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
+                    calls = [lambda al=al: fused_moe_gemm(x, weight, *al, top_k, out=out) for al in aligned]
                     table[key] = {"block_m": block_m, "split_k": split}  # choose_config now returns it
-                    timings[block_m, split] = _time(cp, lambda: fused_moe_gemm(x, weight, *aligned, top_k, out=out),
-                                                    reps)
+                    timings[block_m, split] = _graph_time(cp, stream, calls, reps)
                 del table[key]
                 (block_m, split), best = min(timings.items(), key=lambda kv: kv[1])
                 base = timings[heuristic.block_m, heuristic.split_k]

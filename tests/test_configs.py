@@ -65,3 +65,9 @@ def test_no_gpu_no_cache_lookups(monkeypatch, tmp_path):
     monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(configs, "_device_name", lambda: None)
     assert configs.tuned_table() == {}
+
+
+def test_tune_checks_its_arguments_before_touching_a_gpu():
+    from cupy_moe.tune import tune
+    with pytest.raises(ValueError, match=r"ms: expected token counts M >= 1, got \[0\]"):
+        tune(ms=(1, 0))
