@@ -1,7 +1,7 @@
 """GPU fused_moe_gemm against the float64 reference: random GPTQ tensors, routings, dtypes; determinism; graphs."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 from cupy_moe import configs, reference
 from cupy_moe.align import moe_align_block_size
