@@ -152,6 +152,32 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
                 baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
 
 
+def parse_tiles(spec):
+    """'16=1,1,4,1,4,2;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...] (the block_m key is checked against the shape)."""
+    out = []
+    for item in filter(None, spec.split(";")):
+        key, val = item.split("=")
+        kind = "reg"
+        if val.startswith("tc:"):
+            kind, val = "tc", val[3:]
+        cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), kind=kind)
+        if cfg.block_m != int(key):
+            raise ValueError(f"--tiles: {item!r} has block_m {cfg.block_m}, not {key}")
+        out.append(cfg)
+    return out
+
+
+def tile_spec(cfg):
+    return f"{cfg.block_m}={'tc:' if cfg.kind == 'tc' else ''}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
+
+
+def use_tile(cfg):
+    """Make `cfg` the kernel shape of its block_m (what choose_config and the launcher use)."""
+    configs.KERNEL_SHAPES[cfg.block_m] = cfg
+    name = {16: "DECODE", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
+    setattr(configs, name, cfg)
+
+
 def verdict(row, bar):
     ok = row["baseline_ratio"] > 1.0
     if bar == "issue3":
@@ -176,15 +202,18 @@ def main(argv=None):
     ap.add_argument("--phases", default="gate_up,down")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--decode-tile", default=None, help="tuning: override the block_m 16 tile, 'mt,wm,wn,ng,ku,stages'")
-    ap.add_argument("--prefill-tile", default=None, help="tuning: override the block_m 64 tile")
+    ap.add_argument("--tiles", default=None,
+                    help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,2;64=tc:2,2,4,2,1,4' "
+                         "(block_m=[tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
+    ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
     args = ap.parse_args(argv)
-    for flag, name in ((args.decode_tile, "DECODE"), (args.prefill_tile, "PREFILL")):
-        if flag:
-            cfg = configs.GemmConfig(*(int(v) for v in flag.split(",")))
-            setattr(configs, name, cfg)
-            configs.KERNEL_SHAPES[cfg.block_m] = cfg
-            print(f"# tile override {name} = {cfg}")
+    if args.tiles:
+        for cfg in parse_tiles(args.tiles):
+            use_tile(cfg)
+            print(f"# tile override {cfg}")
+    if args.rows_64_max is not None:
+        configs.ROWS_64_MAX = args.rows_64_max
+        print(f"# ROWS_64_MAX = {args.rows_64_max}")
     props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
     gpu = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     copy_bw = copy_bandwidth()

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One device call that checks everything GPU-side; logs under $OUT (at most 8 files come back):
-#   tests.log (the whole suite), memcheck.log, bench.txt/.json + performance.png (one GEMM phase),
-#   layer.txt (whole layer in a CUDA graph), demo.txt, examples.txt.
+#   tests.log (the whole suite), memcheck.log, bench.txt + performance.png (one GEMM phase),
+#   layer.txt (whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model), examples.txt;
+#   sweep.txt when asked for.
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
-# STAGES picks stages (default all); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py.
+# STAGES picks stages (default all but sweep, the tile sweep of benchmarks/sweep_tiles.py); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-STAGES=${STAGES:-tests,memcheck,bench,layer,demo,examples}
+STAGES=${STAGES:-tests,memcheck,bench,layer,demo,tune,examples}
 summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
 
 stage() {  # stage NAME TIMEOUT LOG COMMAND...
@@ -16,16 +17,19 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
   [[ $STAGES == *$name* ]] || return 0
   local t0=$SECONDS
   timeout "$limit" "$@" > "$log" 2>&1
-  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer' "$log" | tail -n 3 | tr '\n' ' ')")
+  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|winner|saved' "$log" | tail -n 3 | tr '\n' ' ')")
 }
 
 stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests
-stage bench "${BENCH_TIMEOUT:-190}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json "$OUT/bench.json" ${BENCH_ARGS:-}
-[[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
+stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py
+stage bench "${BENCH_TIMEOUT:-190}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
+[[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 stage demo "${DEMO_TIMEOUT:-80}" "$OUT/demo.txt" python3 -m cupy_moe demo
 stage layer "${LAYER_TIMEOUT:-50}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py
 stage memcheck "${MEMCHECK_TIMEOUT:-70}" "$OUT/memcheck.log" \
   compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 python3 benchmarks/memcheck_batch.py
+stage tune "${TUNE_TIMEOUT:-120}" "$OUT/tune.txt" bash -c \
+  'CUPY_MOE_CACHE_DIR=/tmp/tune python3 -m cupy_moe tune --models Qwen3-30B-A3B --m 1,64,1024 --reps 5 && cat /tmp/tune/*.json'
 stage examples "${EXAMPLES_TIMEOUT:-30}" "$OUT/examples.txt" \
   bash -c 'for f in examples/*.py; do echo "== $f"; python3 "$f" || echo "FAILED $f"; done'
 

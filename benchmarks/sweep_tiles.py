@@ -1,53 +1,113 @@
 """Time candidate tile shapes on a few representative rows (the data behind configs.py's choices).
 
-    python benchmarks/sweep_tiles.py
-Prints one line per (candidate, row): time in us and the fraction of the traffic floor / matmul rate.
+    python benchmarks/sweep_tiles.py [--probe] [--write]
+Each candidate is first checked against the NumPy reference (tests/test_gpu_gemm.run_case), then timed; one line
+per (candidate, row): time in us and the fraction of the traffic floor / matmul rate. The last line,
+`bench_args: ...`, holds the winners as arguments for benchmarks/bench_gemm.py.
+--probe also times the decode candidates with the weight loads only (CUPY_MOE_PROBE=6, see kernels/moe_gemm.cu);
+--write makes the winners configs.py's defaults.
 """
 import math
+import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gemm as bg  # noqa: E402
-from cupy_moe import configs  # noqa: E402
+from cupy_moe import _compile, configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
-DECODE = [GemmConfig(1, 1, 4, 1, 4, 4), GemmConfig(1, 1, 4, 1, 2, 6), GemmConfig(1, 1, 4, 1, 2, 4),
-          GemmConfig(1, 1, 4, 1, 4, 2)]
-# tc kernel (moe_gemm_tc): block_m 64 and 128 at 3/4/5 stages; choose_config picks the block size per row
-PREFILL = [GemmConfig(2, 2, 4, 1, 1, st, kind="tc") for st in (3, 4, 5)]
-DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 16), ("Qwen3-30B-A3B", "gate_up", 64), ("DeepSeek-V3", "down", 16),
-               ("Qwen3-30B-A3B", "down", 1)]
-PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Qwen3-30B-A3B", "gate_up", 4096), ("DeepSeek-V3", "down", 1024)]
+# decode (block_m 16, moe_gemm): (mt, warps_m, warps_n, ng, ku, stages). Per stage a CTA reads 32*ku/8 qweight
+# rows x 128*ng columns: 16 rows x 512 B (the default), 8 x 1 KiB, 4 x 2 KiB.
+DECODE = [GemmConfig(1, 1, 4, 1, 4, 2), GemmConfig(1, 1, 4, 2, 2, 4), GemmConfig(1, 1, 4, 4, 1, 4),
+          GemmConfig(1, 1, 4, 1, 4, 3)]
+_TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2, 4, 2), (128, 256): (4, 2, 4, 2)}
+TC = lambda bm, bn, st=4: GemmConfig(*_TC_WARPS[bm, bn], ku=1, stages=st, kind="tc")  # mt, warps_m, warps_n, ng
+# prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX); the last value 10**9 runs every prefill
+# row with block_m 64
+PREFILL = [(TC(64, 256), TC(128, 128), 160), (TC(64, 256, 6), TC(128, 128, 6), 160),
+           (TC(64, 256), TC(128, 128), 10**9), (TC(64, 256, 6), TC(128, 128, 6), 10**9)]
+DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 64), ("Qwen3-30B-A3B", "down", 16),
+               ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1)]
+PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024), ("Qwen3-30B-A3B", "gate_up", 4096),
+                ("DeepSeek-V3", "down", 1024), ("Qwen3-30B-A3B", "down", 1024)]
+
+
+def check(cfgs):
+    """Each candidate against the NumPy reference first (tests/test_gpu_gemm.run_case asserts the accuracy bar)."""
+    import numpy as np
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import test_gpu_gemm as t
+    rng = np.random.default_rng(3)
+    for cfg in cfgs:
+        for bits, dt, n, gs, sym in ((4, "float16", 288, 128, False), (8, "bfloat16", 96, 32, True),
+                                     (4, "bfloat16", 1056, -1, False)):
+            t.run_case(rng, e=4, m=300 if cfg.block_m > 16 else 5, a=2, k=256, n=n, bits=bits, group_size=gs,
+                       sym=sym, act_order=False, dtype_name=dt, routed=True, kind="uniform", block_m=cfg.block_m)
 
 
 def main():
+    probe = "--probe" in sys.argv
     copy_bw, mm_rate = bg.copy_bandwidth(), bg.matmul_rate()
-    winners = {}
-    for block_m, cands, rows in ((16, DECODE, DECODE_ROWS), (64, PREFILL, PREFILL_ROWS)):
-        best = None
-        for cand in cands:
-            logt = 0.0
-            if block_m == 16:
-                configs.DECODE = cand
-                configs.KERNEL_SHAPES[16] = cand
-            else:  # same stage count for both tc block sizes
-                configs.PREFILL = cand
-                configs.PREFILL_128 = replace(configs.PREFILL_128, stages=cand.stages)
-                configs.KERNEL_SHAPES[64], configs.KERNEL_SHAPES[128] = configs.PREFILL, configs.PREFILL_128
-            for model, phase, m in rows:
-                r = bg.bench_row(model, phase, m, copy_bw, mm_rate, 10, rotations=4, baseline=False)
-                logt += math.log(r["time_us"])
-                print(f"sweep {cand.mt},{cand.warps_m},{cand.warps_n},{cand.ng},{cand.ku},{cand.stages} {model:14s} {phase:7s} {m:5d} "
-                      f"S={r['split_k']:2d} {r['time_us']:9.1f} us floor {r['floor_ratio']:.2f} "
-                      f"flops {r['flop_ratio']:.2f}", flush=True)
-            if best is None or logt < best[0]:
-                best = (logt, cand)
-        c = best[1]
-        winners[block_m] = f"{c.mt},{c.warps_m},{c.warps_n},{c.ng},{c.ku},{c.stages}"
-    print(f"winners decode={winners[16]} prefill={winners[64]}")
+
+    def time_rows(rows, label):
+        logt = 0.0
+        for model, phase, m in rows:
+            r = bg.bench_row(model, phase, m, copy_bw, mm_rate, 10, rotations=4, baseline=False)
+            logt += math.log(r["time_us"])
+            print(f"sweep {label} {model:14s} {phase:7s} {m:5d} B={r['block_m']:3d} S={r['split_k']:2d} "
+                  f"{r['time_us']:9.1f} us floor {r['floor_ratio']:.2f} flops {r['flop_ratio']:.2f}", flush=True)
+        return logt
+
+    default_rows64 = configs.ROWS_64_MAX
+    best_dec = None
+    for c in DECODE:
+        bg.use_tile(c)
+        check([c])
+        logt = time_rows(DECODE_ROWS, bg.tile_spec(c))
+        if best_dec is None or logt < best_dec[0]:
+            best_dec = (logt, c)
+    best_pre = None
+    for c64, c128, rows64 in PREFILL:
+        for c in (c64, c128):
+            bg.use_tile(c)
+        configs.ROWS_64_MAX = rows64
+        check([c64, c128])
+        logt = time_rows(PREFILL_ROWS, f"{bg.tile_spec(c64)};{bg.tile_spec(c128)} rows64<={rows64}")
+        if best_pre is None or logt < best_pre[0]:
+            best_pre = (logt, c64, c128, rows64)
+    configs.ROWS_64_MAX = default_rows64
+    if probe:  # last: the probe builds replace the real ones in this process
+        os.environ["CUPY_MOE_PROBE"] = "6"
+        _compile._module.cache_clear()
+        _compile._kernel.cache_clear()
+        for c in DECODE:
+            bg.use_tile(c)
+            time_rows(DECODE_ROWS, "loads-only " + bg.tile_spec(c))
+    _, c64, c128, rows64 = best_pre
+    print(f"bench_args: --tiles {bg.tile_spec(best_dec[1])};{bg.tile_spec(c64)};{bg.tile_spec(c128)} "
+          f"--rows-64-max {rows64}", flush=True)
+    if "--write" in sys.argv:
+        write_defaults(best_dec[1], c64, c128, rows64)
+
+
+def write_defaults(dec, c64, c128, rows64):
+    """Make the winners configs.py's defaults (DECODE, PREFILL, PREFILL_128, ROWS_64_MAX)."""
+    import re
+    path = Path(configs.__file__)
+    src = path.read_text()
+    for name, cfg in (("DECODE", dec), ("PREFILL", c64), ("PREFILL_128", c128)):
+        kind = ', kind="tc"' if cfg.kind == "tc" else ""
+        new = (f"{name} = GemmConfig(mt={cfg.mt}, warps_m={cfg.warps_m}, warps_n={cfg.warps_n}, ng={cfg.ng}, "
+               f"ku={cfg.ku}, stages={cfg.stages}{kind})")
+        src, n = re.subn(rf"^{name} = GemmConfig\([^)]*\)", new, src, flags=re.M)
+        assert n == 1, name
+    src, n = re.subn(r"^ROWS_16_MAX, ROWS_64_MAX = (\d+), \d+", rf"ROWS_16_MAX, ROWS_64_MAX = \g<1>, {rows64}", src,
+                     flags=re.M)
+    assert n == 1
+    path.write_text(src)
+    print(f"wrote the winners into {path}", flush=True)
 
 
 if __name__ == "__main__":

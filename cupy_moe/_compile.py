@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -53,8 +54,9 @@ def _source(filename: str) -> str:
 
 def _options(arch: str) -> tuple[str, ...]:
     # NVRTC takes the first --gpu-architecture it is given; CuPy appends its own (plain sm_XX) after ours.
-    return ("-std=c++17", f"-I{kernels_dir()}", f"--gpu-architecture={arch}",
-            f"-DCUPY_MOE_SOURCES={_sources_digest()}")
+    opts = ("-std=c++17", f"-I{kernels_dir()}", f"--gpu-architecture={arch}", f"-DCUPY_MOE_SOURCES={_sources_digest()}")
+    probe = os.environ.get("CUPY_MOE_PROBE")  # measurement only (benchmarks/probe_kernels.py): results are wrong
+    return opts + (f"-DCUPY_MOE_PROBE={int(probe)}",) if probe else opts
 
 
 def device_arch(device_id: int | None = None) -> str:

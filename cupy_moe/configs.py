@@ -7,8 +7,11 @@ docs/performance.md):
   (128 k) per pipeline stage, a cp.async weight ring; each lane dequantizes its own B fragments in registers.
   Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
   else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
-- `moe_gemm_tc` ("tc", prefill, `block_m` 64 or 128, no act-order): 8 warps, 128 columns; the CTA dequantizes each
-  weight once into shared memory and feeds mma.sync through ldmatrix (activations staged by cp.async too).
+- `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 128 tiles; the CTA dequantizes each
+  weight once into one of two shared-memory B tiles while the mmas of the previous 32-k step read the other
+  (ldmatrix + mma.sync; activations staged by cp.async too). The 64-row tile is 256 wide: the gathered activation
+  rows are re-read from L2 once per column tile, and 256 columns halve that traffic (sweep_tiles.py: 15-19% faster
+  on the 64-row rows); 128 x 256 (1 CTA per SM at 237 registers) was not faster than 128 x 128.
   Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
@@ -86,26 +89,29 @@ class GemmConfig:
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
-            return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.stages}>"
+            return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}>"
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
                 f"{self.stages}, {self.group_mode(act_order, group_len)}>")
 
     def smem_bytes(self, bits: int) -> int:
-        """Dynamic shared memory of the tc kernel (must match TcSmem in moe_gemm.cu); 0 for moe_gemm."""
+        """Dynamic shared memory of the tc kernel (must match TcSmem in moe_gemm.cu): per stage the activation
+        rows, raw qweight rows, scales and zero words, plus two B tiles; 0 for moe_gemm (static shared memory)."""
         if self.kind != "tc":
             return 0
-        stage = self.block_m * 64 + bits * 128 * 4 + 128 * 2 + 128 * bits // 8
-        return self.stages * stage + 128 * 64
+        bn = self.block_n
+        stage = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
+        return self.stages * stage + 2 * bn * 64
 
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
-PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=1, ku=1, stages=4, kind="tc")     # 64 x 128
+PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=4, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=2, warps_m=4, warps_n=2, ng=2, ku=1, stages=4, kind="tc")  # 128 x 128
 KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL, PREFILL_128.block_m: PREFILL_128}
-# act-order weights at the tc block sizes: moe_gemm shapes of the same block_m and block_n
+# act-order weights at the tc block sizes: moe_gemm shapes of the same block_m
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
+ROWS_16_MAX, ROWS_64_MAX = 24, 160  # heuristic block_m: rows per touched expert <= 24 -> 16, <= 160 -> 64, else 128
 
 
 def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int):
@@ -146,7 +152,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     touched = min(e, pairs)
     rows = pairs / touched
     if block_m is None:
-        base = DECODE if rows <= 24 else PREFILL if rows <= 160 else PREFILL_128
+        base = DECODE if rows <= ROWS_16_MAX else PREFILL if rows <= ROWS_64_MAX else PREFILL_128
     elif block_m in KERNEL_SHAPES:
         base = KERNEL_SHAPES[block_m]
     else:

@@ -24,6 +24,15 @@
 
 using gptq::u32;
 
+// Measurement probes (benchmarks/probe_kernels.py compiles with -DCUPY_MOE_PROBE=bits): each bit leaves one part of
+// the work out, so that timing differences show where the time goes. Results are wrong under a probe.
+// 1: no weight loads (compute on stale shared memory), 2: no dequantization, 4: no mma (decode: a cheap fold keeps
+// the dequantized values alive; tc: no ldmatrix either).
+#ifndef CUPY_MOE_PROBE
+#define CUPY_MOE_PROBE 0
+#endif
+constexpr int kProbe = CUPY_MOE_PROBE;
+
 // GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
 // launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
 // per stage; 2 = act-order (g_idx: every k has its own group).
@@ -122,7 +131,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       const int k0 = c * 32;
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
-        const bool ok = c < c_end && n_ok[ng];
+        const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
 #pragma unroll
         for (int r = 0; r < WPR; ++r) {
           const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
@@ -237,15 +246,22 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
             q[r] = col == 0 ? w.x : col == 1 ? w.y : col == 2 ? w.z : w.w;
           }
           u32 b[4];
-          if constexpr (kActOrder) {
+          if constexpr (kProbe & 2) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) b[i] = q[i % WPR] + i;
+          } else if constexpr (kActOrder) {
             gptq::dequant8<kBf16, kBits>(q, s_bits[col], z[col], b);
           } else {
             gptq::dequant8u<kBf16, kBits>(q, gcs[ng][col], b);
           }
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
-            gptq::mma16816<kBf16>(acc[mt][ng][col], a0[mt], b[0], b[1]);
-            gptq::mma16816<kBf16>(acc[mt][ng][col], a1[mt], b[2], b[3]);
+            if constexpr (kProbe & 4) {
+              acc[mt][ng][col][0] += __uint_as_float((b[0] ^ b[1] ^ b[2] ^ b[3] ^ a0[mt][0] ^ a1[mt][0]) & 0x3FFFFFFFu);
+            } else {
+              gptq::mma16816<kBf16>(acc[mt][ng][col], a0[mt], b[0], b[1]);
+              gptq::mma16816<kBf16>(acc[mt][ng][col], a1[mt], b[2], b[3]);
+            }
           }
         }
       }
@@ -358,25 +374,27 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 // Prefill kernel (block_m 64 / 128, no act-order): every weight is dequantized ONCE per CTA into shared memory and
 // both mma operands come from shared memory through ldmatrix.
 //
-// CTA = BM rows (= the align block size) x 128 columns x one K slice, 8 warps of 32 rows x (128 / (8 / (BM/32)))
-// columns. Per 32-k step: a ring of NS stages filled by cp.async holds the gathered activation rows A [BM][32],
-// the raw qweight rows [32*bits/32][128] and the step's scale [128] / zero words; the step's weights are dequantized
-// by all 256 threads (one 16-byte k-run of one column each, natural k order) into B [128 n][32 k]; then the warps
-// run ldmatrix + mma.sync. A and B rows are 64 bytes; 16-byte chunk c of row r lives at c ^ ((r >> 1) & 3), so
-// the 8 row addresses of every ldmatrix phase and every 16-byte store hit 8 different bank quads.
+// CTA = BM rows (= the align block size) x BN (128 or 256) columns x one K slice; 8 warps of WTM x WTN (32 x 32,
+// 32 x 64 or 64 x 64). Per 32-k step: a ring of NS stages filled by cp.async holds the gathered activation rows
+// A [BM][32], the raw qweight rows [32*bits/32][BN] and the step's scale [BN] / zero words; the step's weights are
+// dequantized by all 256 threads (16-byte k-runs of one column each, natural k order) into one of two B tiles
+// [BN n][32 k], while the warps run ldmatrix + mma.sync on the other (the previous step). A wider BN reads the
+// gathered activation rows (L2 traffic BM*32*2 bytes per step) for more columns. A and B rows are 64 bytes;
+// 16-byte chunk c of row r lives at c ^ ((r >> 1) & 3), so the 8 row addresses of every ldmatrix phase and every
+// 16-byte store hit 8 different bank quads.
 // Split-K: the same partials + ticket protocol as moe_gemm (fixed-order reduction by the last CTA).
-template <int BM, int kBits, int NS>
+template <int BM, int BN, int kBits, int NS>
 struct TcSmem {
   static constexpr int kA = BM * 64;                  // bytes of one A stage
-  static constexpr int kQ = kBits * 128 * 4;          // qweight rows of one 32-k step
-  static constexpr int kS = 128 * 2;                  // scales
-  static constexpr int kZ = 128 * kBits / 8;          // zero words (bytes)
+  static constexpr int kQ = kBits * BN * 4;           // qweight rows of one 32-k step
+  static constexpr int kS = BN * 2;                   // scales
+  static constexpr int kZ = BN * kBits / 8;           // zero words (bytes)
   static constexpr int kStage = kA + kQ + kS + kZ;    // all multiples of 16
-  static constexpr int kB = 128 * 64;                 // dequantized B tile
-  static constexpr int kTotal = NS * kStage + kB;
+  static constexpr int kB = BN * 64;                  // one dequantized B tile (two: double-buffered)
+  static constexpr int kTotal = NS * kStage + 2 * kB;
 };
 
-template <bool kBf16, int kBits, int BM, int NS>
+template <bool kBf16, int kBits, int BM, int BN, int NS>
 __global__ void __launch_bounds__(256)
 moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -389,13 +407,15 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             const int* __restrict__ post_padded,         // [1]
             unsigned short* __restrict__ out,            // [P, N]
             float* __restrict__ partials,                // [S, C, N] when split_k > 1
-            int* __restrict__ tickets,                   // [C / BM, N / 128] zeros when split_k > 1
+            int* __restrict__ tickets,                   // [C / BM, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
             int split_k, int chunks_per_split) {
-  using L = TcSmem<BM, kBits, NS>;
-  constexpr int BN = 128, THREADS = 256;
-  constexpr int WM = BM / 32, WN = 8 / WM, WTN = BN / WN, NT = WTN / 8;
+  using L = TcSmem<BM, BN, kBits, NS>;
+  constexpr int THREADS = 256;
+  constexpr int WM = BN == 256 ? 2 : BM / 32, WN = 8 / WM;  // warps along M and N
+  constexpr int WTM = BM / WM, MTL = WTM / 16, WTN = BN / WN, NT = WTN / 8;
   static_assert(BM == 64 || BM == 128, "BM");
+  static_assert(BN == 128 || BN == 256, "BN");
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
   extern __shared__ uint4 smem_dyn[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
@@ -432,16 +452,14 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     a_src[i] = (p >= 0 && p < num_pairs) ? a + static_cast<long long>(p / top_k) * K + 8 * c : nullptr;
     a_dst[i] = r * 64 + ((c ^ ((r >> 1) & 3)) << 4);
   }
-  // qweight: kBits rows x 32 chunks of 16 bytes
-  const int q_row = tid >> 5, q_chunk = tid & 31;
-  const bool q_do = tid < kBits * 32;
-  const bool q_ok = q_do && n_base + 4 * q_chunk < N;
-  // scales: 16 chunks (threads 240..255); zeros: 4 (4-bit) or 8 (8-bit) chunks (the threads just below)
-  const bool s_do = tid >= 240;
-  const int s_chunk = tid - 240;
+  // qweight: kBits rows x BN/4 chunks of 16 bytes
+  constexpr int Q_ROW = BN / 4, Q_PER = (kBits * Q_ROW + THREADS - 1) / THREADS;
+  // scales: BN/8 chunks (the last threads); zeros: BN*bits/128 chunks (the threads just below)
+  constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = L::kZ / 16;
+  const int s_chunk = tid - (THREADS - S_CHUNKS);
+  const bool s_do = s_chunk >= 0;
   const bool s_ok = s_do && n_base + 8 * s_chunk < N;
-  constexpr int Z_CHUNKS = L::kZ / 16;     // 4 (4-bit) or 8 (8-bit)
-  const int z_thread = tid - (240 - Z_CHUNKS);  // threads 240-Z_CHUNKS .. 239
+  const int z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
   const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
   const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
 
@@ -456,10 +474,15 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
     for (int i = 0; i < A_PER; ++i)
       gptq::cp_async16(st + a_dst[i], a_src[i] ? a_src[i] + k0 : a, a_src[i] != nullptr);
-    if (q_do)
-      gptq::cp_async16(st + L::kA + tid * 16,
-                       q_ok ? qw_e + static_cast<long long>(c * kBits + q_row) * N + n_base + 4 * q_chunk : qw_e,
-                       q_ok);
+#pragma unroll
+    for (int i = 0; i < Q_PER; ++i) {
+      const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
+      const bool q_ok = n_base + 4 * q_chunk < N;
+      if (idx < kBits * Q_ROW && !(kProbe & 1))
+        gptq::cp_async16(st + L::kA + idx * 16,
+                         q_ok ? qw_e + static_cast<long long>(c * kBits + q_row) * N + n_base + 4 * q_chunk : qw_e,
+                         q_ok);
+    }
     const int grp = k0 / group_len;
     if (s_do)
       gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16,
@@ -471,14 +494,16 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
                        zc_ok);
   };
 
-  // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, 2 per thread)
-  const int dn = tid & 127, dk = tid >> 7;  // runs 2*dk, 2*dk+1
+  // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, RPT per thread)
+  constexpr int RPT = 4 * BN / THREADS;
+  const int dn = tid % BN, dk = tid / BN;  // runs RPT*dk .. RPT*dk + RPT-1
   const int b_row = dn * 64;
   const int b_key = (dn >> 1) & 3;
   unsigned char* bs = smem + NS * L::kStage;
 
-  auto dequant = [&](int slot) {
+  auto dequant = [&](int slot, int buf) {
     const unsigned char* st = smem + slot * L::kStage;
+    unsigned char* bt = bs + buf * L::kB;
     const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[dn];
     int zc = kSymZero;
     if (qz_e) {
@@ -488,19 +513,19 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     const gptq::GroupConst gc = gptq::group_const<kBf16>(sb, zc);
     const u32* qs = reinterpret_cast<const u32*>(st + L::kA);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int run = 2 * dk + i;  // k = 8*run .. 8*run+7 of the step
+    for (int i = 0; i < RPT; ++i) {
+      const int run = RPT * dk + i;  // k = 8*run .. 8*run+7 of the step
       u32 q[kBits / 4];
 #pragma unroll
       for (int r = 0; r < kBits / 4; ++r) q[r] = qs[(run * (kBits / 4) + r) * BN + dn];
       const uint4 v = gptq::dequant8_natural<kBf16, kBits>(q, gc);
-      *reinterpret_cast<uint4*>(bs + b_row + ((run ^ b_key) << 4)) = v;
+      *reinterpret_cast<uint4*>(bt + b_row + ((run ^ b_key) << 4)) = v;
     }
   };
 
-  float acc[2][NT][4];
+  float acc[MTL][NT][4];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -508,27 +533,28 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
 
   // ldmatrix lane addresses: matrix q = lane / 8, row lane % 8; the swizzle key of all rows used is (lane >> 1) & 3
   const int lq = lane >> 3, lr = lane & 7, lkey = (lane >> 1) & 3;
-  const int a_ld_row = wm * 32 + (lq & 1) * 8 + lr;  // + mt * 16
+  const int a_ld_row = wm * WTM + (lq & 1) * 8 + lr;  // + mt * 16
   const int a_ld_hi = lq >> 1;                        // k 8..15 half of a k16 step
   const int b_ld_row = wn * WTN + (lq >> 1) * 8 + lr;  // + jp * 16
   const int b_ld_hi = lq & 1;
   const unsigned smem_base = gptq::smem_u32(smem);
   const unsigned bs_base = gptq::smem_u32(bs);
 
-  auto mma_step = [&](int slot) {
+  auto mma_step = [&](int slot, int buf) {
     const unsigned as_base = smem_base + slot * L::kStage;
+    const unsigned b_base = bs_base + buf * L::kB;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk) {
-      u32 af[2][4];
+      u32 af[MTL][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < MTL; ++mt)
         gptq::ldmatrix_x4(af[mt], as_base + (a_ld_row + mt * 16) * 64 + (((2 * kk + a_ld_hi) ^ lkey) << 4));
 #pragma unroll
       for (int jp = 0; jp < NT / 2; ++jp) {
         u32 bf[4];
-        gptq::ldmatrix_x4(bf, bs_base + (b_ld_row + jp * 16) * 64 + (((2 * kk + b_ld_hi) ^ lkey) << 4));
+        gptq::ldmatrix_x4(bf, b_base + (b_ld_row + jp * 16) * 64 + (((2 * kk + b_ld_hi) ^ lkey) << 4));
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MTL; ++mt) {
           gptq::mma16816<kBf16>(acc[mt][2 * jp], af[mt], bf[0], bf[1]);
           gptq::mma16816<kBf16>(acc[mt][2 * jp + 1], af[mt], bf[2], bf[3]);
         }
@@ -536,31 +562,40 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // ---- main loop: NS-1 steps in flight; two barriers per step (raw data landed / B tile complete)
+  // ---- main loop: NS-1 raw steps in flight, B double-buffered, one barrier per step. Iteration `it` dequantizes
+  // step it+1 into B[(it+1)&1] while the mmas of step it read B[it&1], so the ALU and tensor work of two steps
+  // interleave in every warp. The barrier at the top of iteration it orders: raw step it+1 landed for all; B[it&1]
+  // (dequantized in iteration it-1) complete; every warp done with step it-1 (its raw slot and B[(it+1)&1]).
+  static_assert(NS >= 3, "one raw step ahead of the one being dequantized");
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) {
     if (s < nsteps) issue(s, c_begin + s);
     gptq::cp_async_commit();
   }
+  gptq::cp_async_wait<NS - 2>();
+  __syncthreads();
+  if (nsteps > 0 && !(kProbe & 2)) dequant(0, 0);
+  int rd = 0;  // raw slot of step it
   for (int it = 0; it < nsteps; ++it) {
-    gptq::cp_async_wait<NS - 2>();
-    __syncthreads();  // step `it` visible to all; every warp is done with step it-1 (its slot and B)
-    const int nx = it + NS - 1;
-    if (nx < nsteps) issue(nx % NS, c_begin + nx);
-    gptq::cp_async_commit();
-    dequant(it % NS);
+    gptq::cp_async_wait<NS - 3>();
     __syncthreads();
-    mma_step(it % NS);
+    const int nx = it + NS - 1;
+    if (nx < nsteps) issue((rd + NS - 1) % NS, c_begin + nx);
+    gptq::cp_async_commit();
+    const int rd1 = rd + 1 == NS ? 0 : rd + 1;
+    if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
+    if (!(kProbe & 4)) mma_step(rd, it & 1);
+    rd = rd1;
   }
   gptq::cp_async_wait<0>();
 
   // ---- epilogue: lane holds rows g, g+8 of each m16 tile x columns 2t, 2t+1 of each n8 tile
-  int pair_of[2][2], slot_of[2][2];
+  int pair_of[MTL][2], slot_of[MTL][2];
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int slot = blk * BM + wm * 32 + mt * 16 + g + 8 * h;
+      const int slot = blk * BM + wm * WTM + mt * 16 + g + 8 * h;
       const int p = __ldg(sorted + slot);
       pair_of[mt][h] = (p >= 0 && p < num_pairs) ? p : -1;
       slot_of[mt][h] = slot;
@@ -569,7 +604,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
 
   if (split_k == 1) {
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int p = pair_of[mt][h];
@@ -587,7 +622,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   }
 
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       if (pair_of[mt][h] < 0) continue;
@@ -608,7 +643,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   if (!last) return;
   __threadfence();
 #pragma unroll
-  for (int mt = 0; mt < 2; ++mt)
+  for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int p = pair_of[mt][h];
