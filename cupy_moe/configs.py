@@ -10,8 +10,8 @@ docs/performance.md):
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 128 tiles; the CTA dequantizes each
   weight once into one of two shared-memory B tiles while the mmas of the previous 32-k step read the other
   (ldmatrix + mma.sync; activations staged by cp.async too). The 64-row tile is 256 wide: the gathered activation
-  rows are re-read from L2 once per column tile, and 256 columns halve that traffic (sweep_tiles.py: 15-19% faster
-  on the 64-row rows); 128 x 256 (1 CTA per SM at 237 registers) was not faster than 128 x 128.
+  rows are re-read from L2 once per column tile, and 256 columns halve that traffic (13-28% faster on the 64-row
+  rows, sweep_tiles.py and bench_gemm.py); 128 x 256 (1 CTA per SM at 237 registers) was not faster than 128 x 128.
   Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.

@@ -14,7 +14,7 @@ __all__ = ["fused_moe_gemm"]
 
 _FILE = "moe_gemm.cu"
 _WORKSPACES: dict = {}  # (device, stream) -> [partials float32, tickets int32]: grow-only, tickets kept at zero
-_SMEM_SET: dict = {}  # (kernel name, device) -> dynamic shared-memory bytes already allowed
+_SMEM_SET: dict = {}  # (kernel name, device) -> (RawKernel, dynamic shared-memory bytes already allowed for it)
 
 
 def _fail(name, expected, got, exc=ValueError):
@@ -172,9 +172,10 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     # ---- launch
     kern = _compile.get_kernel(_FILE, name)
     smem_key = (name, cp.cuda.Device().id)
-    if smem and _SMEM_SET.get(smem_key, 0) < smem:  # opt in above 48 KiB once per kernel and device
+    allowed = _SMEM_SET.get(smem_key)
+    if smem and (allowed is None or allowed[0] is not kern or allowed[1] < smem):  # opt in above 48 KiB once
         kern.max_dynamic_shared_size_bytes = smem
-        _SMEM_SET[smem_key] = smem
+        _SMEM_SET[smem_key] = (kern, smem)
     i32 = np.int32
     null = np.uintp(0)  # a null pointer argument
     opt = lambda x: null if x is None else x
