@@ -19,6 +19,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
-from cupy_moe import configs  # noqa: E402
+from cupy_moe import _compile, configs  # noqa: E402
 from cupy_moe.align import moe_align_block_size  # noqa: E402
 from cupy_moe.gemm import fused_moe_gemm  # noqa: E402
 from cupy_moe.weights import StackedGptqWeight  # noqa: E402
@@ -176,6 +177,13 @@ def use_tile(cfg):
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
     name = {16: "DECODE", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
     setattr(configs, name, cfg)
+
+
+def set_probe(bits):
+    """Rebuild the kernels with CUPY_MOE_PROBE=bits (0: the real kernels); see kernels/moe_gemm.cu."""
+    os.environ["CUPY_MOE_PROBE"] = str(bits) if bits else ""
+    _compile._module.cache_clear()
+    _compile._kernel.cache_clear()
 
 
 def verdict(row, bar):

@@ -4,14 +4,12 @@ only the times mean something.
 
     python benchmarks/probe_kernels.py
 """
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gemm as bg  # noqa: E402
-from cupy_moe import _compile  # noqa: E402
 
 ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 16), ("Mixtral-8x7B", "gate_up", 64),
         ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "down", 16),
@@ -24,9 +22,7 @@ def main():
     copy_bw, mm_rate = bg.copy_bandwidth(), bg.matmul_rate()
     print(f"{'probe':22s} " + " ".join(f"{m[:7]}/{ph[:2]}/{mm:<5d}" for m, ph, mm in ROWS))
     for bits, label in PROBES.items():
-        os.environ["CUPY_MOE_PROBE"] = str(bits)
-        _compile._module.cache_clear()
-        _compile._kernel.cache_clear()
+        bg.set_probe(bits)
         times = [bg.bench_row(m, ph, mm, copy_bw, mm_rate, 10, rotations=4, baseline=False)["time_us"]
                  for m, ph, mm in ROWS]
         print(f"{bits} {label:20s} " + " ".join(f"{t:16.1f}" for t in times), flush=True)

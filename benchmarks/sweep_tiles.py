@@ -8,14 +8,13 @@ per (candidate, row): time in us and the fraction of the traffic floor / matmul 
 --write makes the winners configs.py's defaults.
 """
 import math
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_gemm as bg  # noqa: E402
-from cupy_moe import _compile, configs  # noqa: E402
+from cupy_moe import configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
 # decode (block_m 16, moe_gemm): (mt, warps_m, warps_n, ng, ku, stages). Per stage a CTA reads 32*ku/8 qweight
@@ -79,9 +78,7 @@ def main():
             best_pre = (logt, c64, c128, rows64)
     configs.ROWS_64_MAX = default_rows64
     if probe:  # last: the probe builds replace the real ones in this process
-        os.environ["CUPY_MOE_PROBE"] = "6"
-        _compile._module.cache_clear()
-        _compile._kernel.cache_clear()
+        bg.set_probe(6)
         for c in DECODE:
             bg.use_tile(c)
             time_rows(DECODE_ROWS, "loads-only " + bg.tile_spec(c))

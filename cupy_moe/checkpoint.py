@@ -946,9 +946,9 @@ def _load_plan(ckpt: _Checkpoint, plan: _Plan, device: bool):
     half = 1 << (q.bits - 1)
     qzeros = None if (zeros == half).all() else _pack_last(zeros, q.bits)  # symmetric -> None
     del zeros
-    weight = StackedGptqWeight(qweight, scales, qzeros, g_idx, q.bits, q.group_size)  # validated on the host
+    weight = StackedGptqWeight(qweight, scales, qzeros, g_idx, q.bits, q.group_size)
     if device:
-        weight = StackedGptqWeight(*(_put(x, True) for x in (qweight, scales, qzeros, g_idx)), q.bits, q.group_size)
+        weight = weight.to_device()  # one host-to-device copy per stacked tensor (_xp.to_device)
     return weight, _put(bias, device)
 
 
