@@ -60,11 +60,17 @@ def _options(arch: str) -> tuple[str, ...]:
 
 
 def device_arch(device_id: int | None = None) -> str:
-    """NVRTC target for a device: `sm_90a` on compute capability 9.0 (wgmma usable), else `sm_<major><minor>`."""
+    """NVRTC target for a device (default: the current one): `sm_90a` on compute capability 9.0 (wgmma usable),
+    else `sm_<major><minor>`."""
     from ._xp import require_gpu
     cp = require_gpu("compiling cupy_moe kernels")
-    dev = cp.cuda.Device(device_id) if device_id is not None else cp.cuda.Device()
-    cc = dev.compute_capability  # e.g. "90"
+    return _arch_of(cp.cuda.Device().id if device_id is None else device_id)
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_of(device_id: int) -> str:
+    from ._xp import cupy as cp
+    cc = cp.cuda.Device(device_id).compute_capability  # e.g. "90"
     return "sm_90a" if cc == "90" else f"sm_{cc}"
 
 

@@ -21,6 +21,7 @@
 // deterministic whatever the arrival order), rounds once, writes out and resets the ticket for the next call.
 
 #include "gptq_dequant.cuh"
+#include "wgmma.cuh"
 
 using gptq::u32;
 
@@ -383,18 +384,20 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 // 16-byte chunk c of row r lives at c ^ ((r >> 1) & 3), so the 8 row addresses of every ldmatrix phase and every
 // 16-byte store hit 8 different bank quads.
 // Split-K: the same partials + ticket protocol as moe_gemm (fixed-order reduction by the last CTA).
-template <int BM, int BN, int kBits, int NS>
+template <int BM, int BN, int kBits, int NS, bool kWg>
 struct TcSmem {
   static constexpr int kA = BM * 64;                  // bytes of one A stage
   static constexpr int kQ = kBits * BN * 4;           // qweight rows of one 32-k step
   static constexpr int kS = BN * 2;                   // scales
   static constexpr int kZ = BN * kBits / 8;           // zero words (bytes)
-  static constexpr int kStage = kA + kQ + kS + kZ;    // all multiples of 16
+  // all multiples of 16; wgmma descriptors need every A and B tile 512-byte aligned (the 64-byte swizzle period)
+  static constexpr int kStage = kWg ? (kA + kQ + kS + kZ + 511) / 512 * 512 : kA + kQ + kS + kZ;
   static constexpr int kB = BN * 64;                  // one dequantized B tile (two: double-buffered)
-  static constexpr int kTotal = NS * kStage + 2 * kB;
+  static constexpr int kAlign = kWg ? 1024 : 0;       // slack to align the dynamic shared-memory base
+  static constexpr int kTotal = NS * kStage + 2 * kB + kAlign;
 };
 
-template <bool kBf16, int kBits, int BM, int BN, int NS>
+template <bool kBf16, int kBits, int BM, int BN, int NS, bool kWg>
 __global__ void __launch_bounds__(256)
 moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -410,15 +413,19 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             int* __restrict__ tickets,                   // [C / BM, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
             int split_k, int chunks_per_split) {
-  using L = TcSmem<BM, BN, kBits, NS>;
+  using L = TcSmem<BM, BN, kBits, NS, kWg>;
   constexpr int THREADS = 256;
-  constexpr int WM = BN == 256 ? 2 : BM / 32, WN = 8 / WM;  // warps along M and N
+  // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128) or columns i*BN/2.. (BM
+  // 64) of the tile, 64 x 128 each; its warp w holds 16 rows, so as a grid of warps that is WM x WN = BM/16 x 8/WM.
+  constexpr int WM = kWg ? BM / 16 : BN == 256 ? 2 : BM / 32, WN = 8 / WM;
   constexpr int WTM = BM / WM, MTL = WTM / 16, WTN = BN / WN, NT = WTN / 8;
   static_assert(BM == 64 || BM == 128, "BM");
   static_assert(BN == 128 || BN == 256, "BN");
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+  static_assert(!kWg || (gptq::kHaveWgmma && MTL == 1 && BM * BN == 16384), "wgmma: sm_90a, 64 x 128 per warpgroup");
   extern __shared__ uint4 smem_dyn[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
+  if constexpr (kWg) smem += (L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1);
 
   const int blk = blockIdx.x;
   if (blk * BM >= __ldg(post_padded)) return;
@@ -431,7 +438,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   }
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int wm = warp / WN, wn = warp % WN;
+  const int wm = kWg ? warp % WM : warp / WN, wn = kWg ? warp / WM : warp % WN;
   const int g = lane >> 2, t = lane & 3;
   const int n_base = blockIdx.y * BN;
   const long long rows_q = static_cast<long long>(K) * kBits / 32;
@@ -562,10 +569,30 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
+  // wgmma (sm_90a): the warpgroup's 64 x 128 block, both operands read by the tensor cores from the swizzled
+  // shared-memory tiles (A rows 64*wg.. for BM 128; B columns 128*wg.. for BM 64); issued asynchronously, so the
+  // dequantization of the next step runs while it computes.
+  const int wg = warp >> 2;
+  const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * 128 * 64;
+  auto wg_issue = [&](int slot, int buf) {
+    if constexpr (kWg) {
+      const unsigned a_addr = smem_base + slot * L::kStage + wg_a_off;
+      const unsigned b_addr = bs_base + buf * L::kB + wg_b_off;
+      gptq::wg_fence_operands(acc[0]);
+      gptq::wg_fence();
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk)
+        gptq::wgmma_m64n128k16<kBf16>(acc[0], gptq::wg_desc_sw64(a_addr + 32 * kk),
+                                      gptq::wg_desc_sw64(b_addr + 32 * kk));
+      gptq::wg_commit();
+    }
+  };
+
   // ---- main loop: NS-1 raw steps in flight, B double-buffered, one barrier per step. Iteration `it` dequantizes
   // step it+1 into B[(it+1)&1] while the mmas of step it read B[it&1], so the ALU and tensor work of two steps
   // interleave in every warp. The barrier at the top of iteration it orders: raw step it+1 landed for all; B[it&1]
-  // (dequantized in iteration it-1) complete; every warp done with step it-1 (its raw slot and B[(it+1)&1]).
+  // (dequantized in iteration it-1) complete; every warp done with step it-1 (its raw slot and B[(it+1)&1]; the
+  // wgmma path waits for its step before the next barrier).
   static_assert(NS >= 3, "one raw step ahead of the one being dequantized");
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) {
@@ -578,13 +605,21 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   int rd = 0;  // raw slot of step it
   for (int it = 0; it < nsteps; ++it) {
     gptq::cp_async_wait<NS - 3>();
+    if constexpr (kWg) gptq::fence_proxy_async_smem();  // this thread's A copies and B stores -> wgmma reads
     __syncthreads();
     const int nx = it + NS - 1;
     if (nx < nsteps) issue((rd + NS - 1) % NS, c_begin + nx);
     gptq::cp_async_commit();
     const int rd1 = rd + 1 == NS ? 0 : rd + 1;
-    if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
-    if (!(kProbe & 4)) mma_step(rd, it & 1);
+    if constexpr (kWg) {
+      if (!(kProbe & 4)) wg_issue(rd, it & 1);
+      if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
+      gptq::wg_wait<0>();
+      gptq::wg_fence_operands(acc[0]);
+    } else {
+      if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
+      if (!(kProbe & 4)) mma_step(rd, it & 1);
+    }
     rd = rd1;
   }
   gptq::cp_async_wait<0>();

@@ -1,0 +1,95 @@
+// Hopper warpgroup MMA (wgmma, sm_90a only): shared-memory matrix descriptors for the 64-byte swizzled K-major
+// tiles the tc kernel stages (rows of 32 k = 64 bytes, 16-byte chunk c of row r stored at c ^ ((r >> 1) & 3), tile
+// bases 512-byte aligned), the m64n128k16 op with fp32 accumulation in registers, and its fences.
+//
+// Accumulator fragment (PTX ISA, wgmma .m64nNk16 D layout): warp w of the warpgroup holds rows 16w + g and
+// 16w + g + 8 (g = lane / 4); d[j][0..1] are columns 8j + 2t, 8j + 2t + 1 of row 16w + g (t = lane % 4) and
+// d[j][2..3] the same columns of row 16w + g + 8: the mma.sync m16n8 layout, one n8 tile per j.
+#pragma once
+
+namespace gptq {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+constexpr bool kHaveWgmma = true;
+#else
+constexpr bool kHaveWgmma = false;
+#endif
+
+// Descriptor of a K-major tile with 64-byte swizzle: start address / 16 (bits 0-13), leading-dimension offset
+// 16 B / 16 (bits 16-29; unused when one k16 slice lies inside the 64-byte swizzle span), stride between 8-row
+// groups 512 B / 16 (bits 32-45), layout 2 = 64-byte swizzle (bits 62-63). Advancing the start by 32 bytes selects
+// the second k16 slice of a 64-byte row; the hardware applies the swizzle to the final address.
+__device__ __forceinline__ unsigned long long wg_desc_sw64(unsigned smem_addr) {
+  return static_cast<unsigned long long>((smem_addr & 0x3FFFFu) >> 4) | (1ull << 16) | (32ull << 32) | (2ull << 62);
+}
+
+__device__ __forceinline__ void wg_fence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// Shared-memory writes of the generic proxy (st.shared, cp.async) become visible to wgmma (async proxy) reads;
+// each writing thread runs it before the barrier that publishes the tile.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// Keeps the compiler from touching accumulator registers across an in-flight wgmma (issue ... wait).
+template <int NT>
+__device__ __forceinline__ void wg_fence_operands(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) asm volatile("" : "+f"(d[j][r])::"memory");
+}
+
+#define CUPY_MOE_WGMMA_N128(TY)                                                                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                   \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY                                           \
+               " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                                      \
+               : \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), \
+  "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), \
+  "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+  "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), \
+  "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), \
+  "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+  "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), \
+  "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), \
+  "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+  "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), \
+  "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), \
+  "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+  "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), \
+  "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), \
+  "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+  "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3]) \
+               : "l"(desc_a), "l"(desc_b), "r"(1))
+
+// D[64 x 128] += A[64 x 16] * B[16 x 128]; A rows and B columns K-major in shared memory (descriptors above).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], unsigned long long desc_a,
+                                                 unsigned long long desc_b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  if constexpr (kBf16) {
+    CUPY_MOE_WGMMA_N128("bf16");
+  } else {
+    CUPY_MOE_WGMMA_N128("f16");
+  }
+#endif
+}
+#undef CUPY_MOE_WGMMA_N128
+
+}  // namespace gptq
