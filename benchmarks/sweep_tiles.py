@@ -1,11 +1,12 @@
 """Time candidate tile shapes on a few representative rows (the data behind configs.py's choices).
 
-    python benchmarks/sweep_tiles.py [--probe] [--write]
+    python benchmarks/sweep_tiles.py [--probe] [--write] [--prefill-only]
 Each candidate is first checked against the NumPy reference (tests/test_gpu_gemm.run_case), then timed; one line
 per (candidate, row): time in us and the fraction of the traffic floor / matmul rate. The last line,
 `bench_args: ...`, holds the winners as arguments for benchmarks/bench_gemm.py.
 --probe also times the decode candidates with the weight loads only (CUPY_MOE_PROBE=6, see kernels/moe_gemm.cu);
---write makes the winners configs.py's defaults.
+--write makes the winners configs.py's defaults; --prefill-only skips the decode candidates (keeps DECODE).
+On sm_90a the tc candidates run the wgmma variant (CUPY_MOE_WGMMA=0: the mma.sync one).
 """
 import math
 import sys
@@ -26,7 +27,7 @@ TC = lambda bm, bn, st=4: GemmConfig(*_TC_WARPS[bm, bn], ku=1, stages=st, kind="
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX); the last value 10**9 runs every prefill
 # row with block_m 64
 PREFILL = [(TC(64, 256), TC(128, 128), 160), (TC(64, 256, 6), TC(128, 128, 6), 160),
-           (TC(64, 256), TC(128, 128), 10**9), (TC(64, 256, 6), TC(128, 128, 6), 10**9)]
+           (TC(64, 256), TC(128, 256), 160), (TC(64, 256, 6), TC(128, 256, 6), 160)]
 DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 64), ("Qwen3-30B-A3B", "down", 16),
                ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1)]
 PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024), ("Qwen3-30B-A3B", "gate_up", 4096),
@@ -60,8 +61,8 @@ def main():
         return logt
 
     default_rows64 = configs.ROWS_64_MAX
-    best_dec = None
-    for c in DECODE:
+    best_dec = (0.0, configs.DECODE) if "--prefill-only" in sys.argv else None
+    for c in DECODE if best_dec is None else ():
         bg.use_tile(c)
         check([c])
         logt = time_rows(DECODE_ROWS, bg.tile_spec(c))

@@ -415,14 +415,14 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             int split_k, int chunks_per_split) {
   using L = TcSmem<BM, BN, kBits, NS, kWg>;
   constexpr int THREADS = 256;
-  // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128) or columns i*BN/2.. (BM
-  // 64) of the tile, 64 x 128 each; its warp w holds 16 rows, so as a grid of warps that is WM x WN = BM/16 x 8/WM.
+  // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128: 64 x BN each) or columns
+  // i*BN/2.. (BM 64: 64 x BN/2 each); its warp w holds 16 rows, so as a grid of warps that is WM x WN = BM/16 x 8/WM.
   constexpr int WM = kWg ? BM / 16 : BN == 256 ? 2 : BM / 32, WN = 8 / WM;
   constexpr int WTM = BM / WM, MTL = WTM / 16, WTN = BN / WN, NT = WTN / 8;
   static_assert(BM == 64 || BM == 128, "BM");
   static_assert(BN == 128 || BN == 256, "BN");
   static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
-  static_assert(!kWg || (gptq::kHaveWgmma && MTL == 1 && BM * BN == 16384), "wgmma: sm_90a, 64 x 128 per warpgroup");
+  static_assert(!kWg || (gptq::kHaveWgmma && MTL == 1), "wgmma: sm_90a only");
   extern __shared__ uint4 smem_dyn[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
   if constexpr (kWg) smem += (L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1);
@@ -569,11 +569,11 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // wgmma (sm_90a): the warpgroup's 64 x 128 block, both operands read by the tensor cores from the swizzled
-  // shared-memory tiles (A rows 64*wg.. for BM 128; B columns 128*wg.. for BM 64); issued asynchronously, so the
+  // wgmma (sm_90a): the warpgroup's 64 x WTN block, both operands read by the tensor cores from the swizzled
+  // shared-memory tiles (A rows 64*wg.. for BM 128; B columns WTN*wg.. for BM 64); issued asynchronously, so the
   // dequantization of the next step runs while it computes.
   const int wg = warp >> 2;
-  const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * 128 * 64;
+  const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * WTN * 64;
   auto wg_issue = [&](int slot, int buf) {
     if constexpr (kWg) {
       const unsigned a_addr = smem_base + slot * L::kStage + wg_a_off;
@@ -582,8 +582,8 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
       gptq::wg_fence();
 #pragma unroll
       for (int kk = 0; kk < 2; ++kk)
-        gptq::wgmma_m64n128k16<kBf16>(acc[0], gptq::wg_desc_sw64(a_addr + 32 * kk),
-                                      gptq::wg_desc_sw64(b_addr + 32 * kk));
+        gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64(a_addr + 32 * kk),
+                                       gptq::wg_desc_sw64(b_addr + 32 * kk));
       gptq::wg_commit();
     }
   };
