@@ -2,9 +2,10 @@
 # One device call that checks everything GPU-side; logs under $OUT (at most 8 files come back):
 #   tests.log (the whole suite), memcheck.log, bench.txt + performance.png (one GEMM phase),
 #   layer.txt (whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model), examples.txt;
-#   sweep.txt when asked for.
+#   when asked for: sweep.txt (the tile sweep of benchmarks/sweep_tiles.py with $SWEEP_ARGS; it runs first, so with
+#   --write the other stages use its winners) and reads.txt (benchmarks/read_patterns.py).
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
-# STAGES picks stages (default all but sweep, the tile sweep of benchmarks/sweep_tiles.py); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py.
+# STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -17,11 +18,12 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
   [[ $STAGES == *$name* ]] || return 0
   local t0=$SECONDS
   timeout "$limit" "$@" > "$log" 2>&1
-  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|winner|saved' "$log" | tail -n 3 | tr '\n' ' ')")
+  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|winner|saved|bench_args|wrote|CHECKSUM' "$log" | tail -n 3 | tr '\n' ' ')")
 }
 
+stage reads "${READS_TIMEOUT:-90}" "$OUT/reads.txt" python3 benchmarks/read_patterns.py
+stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-}
 stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests
-stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py
 stage bench "${BENCH_TIMEOUT:-190}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
 [[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 stage demo "${DEMO_TIMEOUT:-80}" "$OUT/demo.txt" python3 -m cupy_moe demo
