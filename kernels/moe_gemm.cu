@@ -373,7 +373,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 
 // ================================================================================================================
 // Prefill kernel (block_m 64 / 128, no act-order): every weight is dequantized ONCE per CTA into shared memory and
-// both mma operands come from shared memory through ldmatrix.
+// both mma operands come from shared memory: through ldmatrix + mma.sync, or (kWg, sm_90a) read by wgmma itself.
 //
 // CTA = BM rows (= the align block size) x BN (128 or 256) columns x one K slice; 8 warps of WTM x WTN (32 x 32,
 // 32 x 64 or 64 x 64). Per 32-k step: a ring of NS stages filled by cp.async holds the gathered activation rows
@@ -382,7 +382,9 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 // [BN n][32 k], while the warps run ldmatrix + mma.sync on the other (the previous step). A wider BN reads the
 // gathered activation rows (L2 traffic BM*32*2 bytes per step) for more columns. A and B rows are 64 bytes;
 // 16-byte chunk c of row r lives at c ^ ((r >> 1) & 3), so the 8 row addresses of every ldmatrix phase and every
-// 16-byte store hit 8 different bank quads.
+// 16-byte store hit 8 different bank quads. That is also the layout wgmma's 64-byte swizzle mode expects
+// (wgmma.cuh), so with kWg the two warpgroups issue m64nNk16 ops on the same tiles asynchronously and dequantize the
+// next step while the tensor cores work; N = BN (BM 128, warpgroup = 64 rows) or BN/2 (BM 64, warpgroup = columns).
 // Split-K: the same partials + ticket protocol as moe_gemm (fixed-order reduction by the last CTA).
 template <int BM, int BN, int kBits, int NS, bool kWg>
 struct TcSmem {
