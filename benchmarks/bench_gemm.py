@@ -153,15 +153,19 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
                 baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
 
 
+_KINDS = {"reg": dict(), "bulk": dict(bulk=True), "tc": dict(kind="tc")}  # tile spec prefix -> GemmConfig fields
+
+
 def parse_tiles(spec):
-    """'16=1,1,4,1,4,2;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...] (the block_m key is checked against the shape)."""
+    """'16=bulk:1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
+    with kind reg (default), bulk (moe_gemm with bulk weight copies on Hopper) or tc; block_m is checked."""
     out = []
     for item in filter(None, spec.split(";")):
         key, val = item.split("=")
-        kind = "reg"
-        if val.startswith("tc:"):
-            kind, val = "tc", val[3:]
-        cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), kind=kind)
+        kind, _, val = val.rpartition(":")
+        if kind not in ("", *_KINDS):
+            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of {sorted(_KINDS)}")
+        cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), **_KINDS[kind or "reg"])
         if cfg.block_m != int(key):
             raise ValueError(f"--tiles: {item!r} has block_m {cfg.block_m}, not {key}")
         out.append(cfg)
@@ -169,7 +173,8 @@ def parse_tiles(spec):
 
 
 def tile_spec(cfg):
-    return f"{cfg.block_m}={'tc:' if cfg.kind == 'tc' else ''}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
+    kind = "tc:" if cfg.kind == "tc" else "bulk:" if cfg.bulk else ""
+    return f"{cfg.block_m}={kind}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
 
 
 def use_tile(cfg):
@@ -211,8 +216,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiles", default=None,
-                    help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,2;64=tc:2,2,4,2,1,4' "
-                         "(block_m=[tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
+                    help="tuning: override kernel shapes, e.g. '16=bulk:1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
+                         "(block_m=[reg:|bulk:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
     args = ap.parse_args(argv)
     if args.tiles:

@@ -6,7 +6,7 @@ per (candidate, row): time in us and the fraction of the traffic floor / matmul 
 `bench_args: ...`, holds the winners as arguments for benchmarks/bench_gemm.py.
 --probe also times the decode candidates with the weight loads only (CUPY_MOE_PROBE=6, see kernels/moe_gemm.cu);
 --write makes the winners configs.py's defaults; --prefill-only skips the decode candidates (keeps DECODE).
-On sm_90a the tc candidates run the wgmma variant (CUPY_MOE_WGMMA=0: the mma.sync one).
+On sm_90a the tc candidates run the wgmma variant (CUPY_MOE_HOPPER=0: the mma.sync one).
 """
 import math
 import sys
@@ -19,9 +19,9 @@ from cupy_moe import configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
 # decode (block_m 16, moe_gemm): (mt, warps_m, warps_n, ng, ku, stages). Per stage a CTA reads 32*ku/8 qweight
-# rows x 128*ng columns: 16 rows x 512 B (the default), 8 x 1 KiB, 4 x 2 KiB.
-DECODE = [GemmConfig(1, 1, 4, 1, 4, 2), GemmConfig(1, 1, 4, 2, 2, 4), GemmConfig(1, 1, 4, 4, 1, 4),
-          GemmConfig(1, 1, 4, 1, 4, 3)]
+# rows x 128*ng columns: 16 rows x 512 B (the default), 8 x 1 KiB. bulk: the ring is filled by bulk copies (Hopper).
+DECODE = [GemmConfig(1, 1, 4, 1, 4, 2), GemmConfig(1, 1, 4, 1, 4, 4, bulk=True), GemmConfig(1, 1, 4, 1, 4, 5, bulk=True),
+          GemmConfig(1, 1, 4, 1, 2, 8, bulk=True), GemmConfig(1, 1, 4, 2, 2, 4, bulk=True)]
 _TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2, 4, 2), (128, 256): (4, 2, 4, 2)}
 TC = lambda bm, bn, st=4: GemmConfig(*_TC_WARPS[bm, bn], ku=1, stages=st, kind="tc")  # mt, warps_m, warps_n, ng
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX); the last value 10**9 runs every prefill
@@ -35,16 +35,22 @@ PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024
 
 
 def check(cfgs):
-    """Each candidate against the NumPy reference first (tests/test_gpu_gemm.run_case asserts the accuracy bar)."""
+    """Each candidate against the NumPy reference first (tests/test_gpu_gemm.run_case asserts the accuracy bar);
+    False (and the reason printed) when one fails: the sweep skips it."""
     import numpy as np
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     import test_gpu_gemm as t
     rng = np.random.default_rng(3)
-    for cfg in cfgs:
-        for bits, dt, n, gs, sym in ((4, "float16", 288, 128, False), (8, "bfloat16", 96, 32, True),
-                                     (4, "bfloat16", 1056, -1, False)):
-            t.run_case(rng, e=4, m=300 if cfg.block_m > 16 else 5, a=2, k=256, n=n, bits=bits, group_size=gs,
-                       sym=sym, act_order=False, dtype_name=dt, routed=True, kind="uniform", block_m=cfg.block_m)
+    try:
+        for cfg in cfgs:
+            for bits, dt, n, gs, sym, act in ((4, "float16", 288, 128, False, False), (8, "bfloat16", 96, 32, True, False),
+                                              (4, "bfloat16", 1056, -1, False, False), (4, "float16", 96, 64, False, True)):
+                t.run_case(rng, e=4, m=300 if cfg.block_m > 16 else 5, a=2, k=1408, n=n, bits=bits, group_size=gs,
+                           sym=sym, act_order=act, dtype_name=dt, routed=True, kind="uniform", block_m=cfg.block_m)
+    except Exception as exc:  # a wrong or failing candidate must not become a default
+        print(f"sweep check FAILED for {[bg.tile_spec(c) for c in cfgs]}: {type(exc).__name__}: {exc}", flush=True)
+        return False
+    return True
 
 
 def main():
@@ -64,7 +70,8 @@ def main():
     best_dec = (0.0, configs.DECODE) if "--prefill-only" in sys.argv else None
     for c in DECODE if best_dec is None else ():
         bg.use_tile(c)
-        check([c])
+        if not check([c]):
+            continue
         logt = time_rows(DECODE_ROWS, bg.tile_spec(c))
         if best_dec is None or logt < best_dec[0]:
             best_dec = (logt, c)
@@ -73,7 +80,8 @@ def main():
         for c in (c64, c128):
             bg.use_tile(c)
         configs.ROWS_64_MAX = rows64
-        check([c64, c128])
+        if not check([c64, c128]):
+            continue
         logt = time_rows(PREFILL_ROWS, f"{bg.tile_spec(c64)};{bg.tile_spec(c128)} rows64<={rows64}")
         if best_pre is None or logt < best_pre[0]:
             best_pre = (logt, c64, c128, rows64)
@@ -96,7 +104,7 @@ def write_defaults(dec, c64, c128, rows64):
     path = Path(configs.__file__)
     src = path.read_text()
     for name, cfg in (("DECODE", dec), ("PREFILL", c64), ("PREFILL_128", c128)):
-        kind = ', kind="tc"' if cfg.kind == "tc" else ""
+        kind = ', kind="tc"' if cfg.kind == "tc" else ", bulk=True" if cfg.bulk else ""
         new = (f"{name} = GemmConfig(mt={cfg.mt}, warps_m={cfg.warps_m}, warps_n={cfg.warps_n}, ng={cfg.ng}, "
                f"ku={cfg.ku}, stages={cfg.stages}{kind})")
         src, n = re.subn(rf"^{name} = GemmConfig\([^)]*\)", new, src, flags=re.M)

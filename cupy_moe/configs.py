@@ -30,7 +30,7 @@ from pathlib import Path
 
 __all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS",
            "kernel_instance", "all_name_expressions", "MODEL_SHAPES", "tuned_cache_path", "tuning_key",
-           "tuned_table", "save_tuned", "wgmma_enabled"]
+           "tuned_table", "save_tuned", "hopper_enabled"]
 
 # The MoE shapes of SHAPES.md: name -> (H, I, E, A). Benchmarks and `python -m cupy_moe tune` use these.
 MODEL_SHAPES = {
@@ -65,6 +65,7 @@ class GemmConfig:
     stages: int = 4
     split_k: int = 1
     kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory)
+    bulk: bool = False  # moe_gemm on Hopper: weight ring filled by bulk copies (one per row segment) not cp.async
 
     @property
     def block_m(self) -> int:
@@ -85,26 +86,28 @@ class GemmConfig:
         return 1 if group_len is not None and group_len % (32 * self.ku) == 0 else 0
 
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
-                        wgmma: bool = False) -> str:
+                        hopper: bool = False) -> str:
+        """The kernel instance; hopper: use the Hopper variant (tc: wgmma, sm_90a; moe_gemm: bulk copies when
+        self.bulk, sm_90)."""
         b = lambda flag: "true" if flag else "false"
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
-            return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {b(wgmma)}>"
+            return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {b(hopper)}>"
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{self.stages}, {self.group_mode(act_order, group_len)}>")
+                f"{self.stages}, {self.group_mode(act_order, group_len)}, {b(hopper and self.bulk)}>")
 
-    def smem_bytes(self, bits: int, wgmma: bool = False) -> int:
+    def smem_bytes(self, bits: int, hopper: bool = False) -> int:
         """Dynamic shared memory of the tc kernel (must match TcSmem in moe_gemm.cu): per stage the activation
         rows, raw qweight rows, scales and zero words, plus two B tiles; 0 for moe_gemm (static shared memory).
-        The wgmma variant rounds stages to 512 bytes and adds 1 KiB to align the base."""
+        The wgmma variant (hopper) rounds stages to 512 bytes and adds 1 KiB to align the base."""
         if self.kind != "tc":
             return 0
         bn = self.block_n
         stage = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
-        if wgmma:
+        if hopper:
             stage = -(-stage // 512) * 512
-        return self.stages * stage + 2 * bn * 64 + (1024 if wgmma else 0)
+        return self.stages * stage + 2 * bn * 64 + (1024 if hopper else 0)
 
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
@@ -118,34 +121,34 @@ SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 ROWS_16_MAX, ROWS_64_MAX = 24, 160  # heuristic block_m: rows per touched expert <= 24 -> 16, <= 160 -> 64, else 128
 
 
-def wgmma_enabled(arch: str) -> bool:
-    """Whether the tc kernel uses Hopper's wgmma: on `sm_90a` unless the environment sets CUPY_MOE_WGMMA=0 (the
-    mma.sync path then runs, e.g. to compare the two)."""
-    return arch == "sm_90a" and os.environ.get("CUPY_MOE_WGMMA", "1") != "0"
+def hopper_enabled(arch: str) -> bool:
+    """Whether the Hopper variants run (tc: wgmma; moe_gemm: bulk weight copies where the config asks): on
+    `sm_90a` unless the environment sets CUPY_MOE_HOPPER=0 (the sm_80-style kernels then run, e.g. to compare)."""
+    return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 
-def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, wgmma: bool = False):
+def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, hopper: bool = False):
     """(config actually launched, name expression, dynamic shared-memory bytes) for one call.
 
     The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m].
-    wgmma: the tc kernel's Hopper variant (see wgmma_enabled); ignored by moe_gemm.
+    hopper: the Hopper variants (see hopper_enabled).
     """
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
-    wg = wgmma and cfg.kind == "tc"
-    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, wg), cfg.smem_bytes(bits, wg)
+    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper), cfg.smem_bytes(bits, hopper)
 
 
 def all_name_expressions(arch: str = "sm_80") -> list[str]:
     """Every kernel instance the launcher can request on `arch` (the NVRTC compile test compiles all of them);
-    on sm_90a both tc variants (wgmma and mma.sync)."""
+    on sm_90a both the Hopper and the sm_80-style variants (the decode shapes with bulk copies too)."""
     names = []
-    for wg in ((False, True) if arch == "sm_90a" else (False,)):
+    for hopper in ((False, True) if arch == "sm_90a" else (False,)):
+        shapes = [replace(c, bulk=hopper) if c.kind == "reg" else c for c in KERNEL_SHAPES.values()]
         for bf16 in (False, True):
             for bits in (4, 8):
-                for cfg in KERNEL_SHAPES.values():
+                for cfg in shapes:
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
-                        names.append(kernel_instance(cfg, bf16, bits, act, glen, wg)[1])
+                        names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))
 
 

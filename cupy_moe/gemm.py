@@ -150,16 +150,18 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         _check_dev_array(cp, "out", out, a.dtype, 2, "[P, N]")
         if out.shape != (p, n):
             _fail("out", f"shape {(p, n)} = [M*top_k, N]", out.shape)
-    if a.data.ptr % 16 or (out is not None and out.data.ptr % 16):
-        _fail("a/out", "16-byte aligned data (the kernel moves 16 bytes per access)", "a misaligned view")
+    for name, x in (("a", a), ("out", out), ("weight.qweight", qweight), ("weight.scales", scales),
+                    ("weight.qzeros", qzeros)):
+        if x is not None and x.data.ptr % 16:
+            _fail(name, "16-byte aligned data (the kernels move 16 bytes per access)", "a misaligned view")
     # ---- allocate
     if out is None:
         out = cp.zeros((p, n), a.dtype)
     if block_m is None or p == 0 or n == 0:
         return out
     cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m)
-    wg = configs.wgmma_enabled(_compile.device_arch())
-    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, wg)
+    hopper = configs.hopper_enabled(_compile.device_arch())
+    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper)
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
     split = cfg.split_k

@@ -21,7 +21,7 @@
 // deterministic whatever the arrival order), rounds once, writes out and resets the ticket for the next call.
 
 #include "gptq_dequant.cuh"
-#include "wgmma.cuh"
+#include "hopper.cuh"
 
 using gptq::u32;
 
@@ -37,7 +37,8 @@ constexpr int kProbe = CUPY_MOE_PROBE;
 // GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
 // launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
 // per stage; 2 = act-order (g_idx: every k has its own group).
-template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM>
+// kBulk (sm_90): the weight ring is filled by bulk copies instead (below).
+template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM, bool kBulk>
 __global__ void __launch_bounds__(WM * WN * 32)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -113,35 +114,64 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
 
   // One stage = KU chunks of 32 k: activations, weight words, and (without act-order) scales and zeros.
-  // Weights: a lane-private ring of STAGES stages in shared memory filled by cp.async (16 bytes per lane and
-  // request, no register cost while in flight, so many stages stay in flight). Each lane reads back only what it
-  // copied, so no barrier is needed. Slot layout [stage][word][lane]: a warp touches 512 contiguous bytes.
+  // Weights: a ring of stages in shared memory, so that many stages stay in flight at no register cost.
+  // - cp.async (default): each lane copies the 16 bytes it will read itself (no barrier needed); slot layout
+  //   [stage][word][lane]: a warp touches 512 contiguous bytes.
+  // - kBulk: one thread copies each of the stage's RPS qweight row segments (BLOCK_N*4 bytes) with one bulk copy
+  //   completing on the stage's mbarrier; rows are PITCH bytes apart, padded so that the 4 rows (t) the 8 lanes of a
+  //   shared-memory phase read start in different bank quads. One CTA barrier per stage frees a slot for refill.
   constexpr int THREADS = WM * WN * 32;
   constexpr int WORDS = KU * NG * WPR;
-  // 8-bit stages hold twice the bytes: half as many (at least 2, so loads overlap compute) keep the bytes in
-  // flight and the ring under the 48 KiB static shared-memory limit.
-  constexpr int NST = kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
-  __shared__ uint4 ring[NST * WORDS * THREADS];
-  auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* {
+  constexpr int RPS = KU * 4 * WPR;                       // qweight rows per stage
+  constexpr int PITCH = BLOCK_N * 4 + 32 / WPR;           // bulk ring row pitch in bytes
+  constexpr int BULK_STAGE = RPS * PITCH;
+  static_assert(!kBulk || gptq::kHaveBulk, "bulk copies need sm_90");
+  // ring depth under the 48 KiB static shared-memory limit. cp.async: 8-bit stages hold twice the bytes, so half as
+  // many (at least 2, so loads overlap compute) keep the bytes in flight.
+  constexpr int NST = kBulk ? (STAGES * BULK_STAGE <= 45 * 1024 ? STAGES : 45 * 1024 / BULK_STAGE)
+                            : kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
+  static_assert(NST >= 2, "ring depth");
+  __shared__ uint4 ring[kBulk ? NST * BULK_STAGE / 16 : NST * WORDS * THREADS];
+  __shared__ unsigned long long full[kBulk ? NST : 1];  // kBulk: stage s landed (phase parity = use count & 1)
+  auto ring_slot = [&](int stage, int u, int ng, int r) -> const uint4* {
+    if constexpr (kBulk)
+      return reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(ring) + stage * BULK_STAGE +
+                                            (u * 4 * WPR + WPR * t + r) * PITCH + ((wn * NG + ng) * 32 + 4 * g) * 4);
     return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x;
   };
+  const unsigned ring_u32 = gptq::smem_u32(ring);
+  auto issue_bulk = [&](int stage, int c0) {  // thread 0 only
+    if (threadIdx.x != 0 || c0 >= c_end) return;
+    const int rows = min(KU, c_end - c0) * 4 * WPR;
+    const int seg = min(BLOCK_N, N - static_cast<int>(blockIdx.y) * BLOCK_N) * 4;  // N % 32 == 0: a multiple of 128
+    const unsigned bar = gptq::smem_u32(full + stage);
+    gptq::mbar_arrive_expect(bar, (kProbe & 1) ? 0u : static_cast<unsigned>(rows * seg));
+    if (kProbe & 1) return;
+    const int* src = qw_e + static_cast<long long>(c0) * 4 * WPR * N + blockIdx.y * BLOCK_N;
+    for (int r = 0; r < rows; ++r)
+      gptq::bulk_copy(ring_u32 + stage * BULK_STAGE + r * PITCH, src + static_cast<long long>(r) * N, seg, bar);
+  };
   auto issue_weights = [&](int stage, int c0) {
+    if constexpr (kBulk) {
+      issue_bulk(stage, c0);
+    } else {
 #pragma unroll
-    for (int u = 0; u < KU; ++u) {
-      const int c = c0 + u;
-      const int k0 = c * 32;
+      for (int u = 0; u < KU; ++u) {
+        const int c = c0 + u;
+        const int k0 = c * 32;
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
+        for (int ng = 0; ng < NG; ++ng) {
+          const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
 #pragma unroll
-        for (int r = 0; r < WPR; ++r) {
-          const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
-                              : qw_e;
-          gptq::cp_async16(ring_slot(stage, u, ng, r), src, ok);
+          for (int r = 0; r < WPR; ++r) {
+            const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
+                                : qw_e;
+            gptq::cp_async16(ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x, src, ok);
+          }
         }
       }
+      gptq::cp_async_commit();
     }
-    gptq::cp_async_commit();
   };
 
   // Activations, scales and zeros: registers, one stage ahead.
@@ -269,21 +299,35 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // Pipeline: STAGES-1 weight stages in flight ahead of the one computed; activations one stage ahead.
+  // Pipeline: NST-1 weight stages in flight ahead of the one computed; activations one stage ahead.
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < NST; ++s) gptq::mbar_init(gptq::smem_u32(full + s), 1);
+      gptq::mbar_init_fence();
+    }
+    __syncthreads();
+  }
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) issue_weights(s, c_begin + s * KU);
   Stage cur, nxt;
   load(cur, c_begin);
   int stage = 0;
+  unsigned parity = 0;  // kBulk: phase parity of this round of the ring
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
-    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-fill, no read
+    if constexpr (kBulk) __syncthreads();  // every lane is done with the slot refilled next (the previous stage's)
+    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: cp.async zero-fills, bulk skips
     if (c0 + KU < c_end) load(nxt, c0 + KU);
-    gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
+    if constexpr (kBulk) {
+      gptq::mbar_wait(gptq::smem_u32(full + stage), parity);
+    } else {
+      gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
+    }
     compute(cur, stage, c0);
     cur = nxt;
     stage = (stage + 1) % NST;
+    parity ^= stage == 0;
   }
-  gptq::cp_async_wait<0>();
+  if constexpr (!kBulk) gptq::cp_async_wait<0>();
 
   // ---- epilogue: lane holds rows g, g+8 of each m tile x real columns n0 + 8t .. n0 + 8t + 7
   auto row_values = [&](int mt, int h, int ng, float (&v)[8]) {
@@ -383,7 +427,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 // gathered activation rows (L2 traffic BM*32*2 bytes per step) for more columns. A and B rows are 64 bytes;
 // 16-byte chunk c of row r lives at c ^ ((r >> 1) & 3), so the 8 row addresses of every ldmatrix phase and every
 // 16-byte store hit 8 different bank quads. That is also the layout wgmma's 64-byte swizzle mode expects
-// (wgmma.cuh), so with kWg the two warpgroups issue m64nNk16 ops on the same tiles asynchronously and dequantize the
+// (hopper.cuh), so with kWg the two warpgroups issue m64nNk16 ops on the same tiles asynchronously and dequantize the
 // next step while the tensor cores work; N = BN (BM 128, warpgroup = 64 rows) or BN/2 (BM 64, warpgroup = columns).
 // Split-K: the same partials + ticket protocol as moe_gemm (fixed-order reduction by the last CTA).
 template <int BM, int BN, int kBits, int NS, bool kWg>

@@ -23,7 +23,7 @@ ALIGN_NAMES.append("moe_align_scan")
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
 @pytest.mark.parametrize("filename", ["moe_align.cu", "moe_gemm.cu"])
 def test_compiles_without_spills(filename, arch):
-    # every instance the launcher can request on this arch (sm_90a adds the wgmma variants)
+    # every instance the launcher can request on this arch (sm_90a adds the Hopper variants)
     names = ALIGN_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch)
     log = _compile.compile_for_arch(filename, names, arch)
     report = _compile.parse_ptxas_report(log)

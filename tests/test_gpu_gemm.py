@@ -96,19 +96,37 @@ def test_gemm_model_shapes(k, n, m):
                  act_order=False, dtype_name="float16", routed=True, kind="uniform")
 
 
-@pytest.mark.parametrize("wgmma", ["1", "0"])
+@pytest.mark.parametrize("hopper", ["1", "0"])
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name", [
     (4, False, False, "float16"), (4, True, False, "bfloat16"), (8, False, False, "float16"),
     (8, True, False, "bfloat16"), (4, False, True, "float16")])
-def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, wgmma, monkeypatch):
+def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper, monkeypatch):
     """The shared-memory (tc) kernel, both its wgmma (sm_90a) and mma.sync variants, and its act-order fallback:
     partial tiles in M and N, groups of 32 and 128, several experts, split-K (few CTAs, long K) and not."""
-    monkeypatch.setenv("CUPY_MOE_WGMMA", wgmma)  # "0": the mma.sync variant (the only one off Hopper)
+    monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)  # "0": the mma.sync variant (the only one off Hopper)
     rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * act_order)
     for e, m, a, k, n, gs in ((3, 200, 2, 1024, 160, 128), (8, 300, 2, 256, 288, 32), (2, 70, 1, 2048, 96, -1)):
         run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
                  dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m)
+
+
+@pytest.mark.parametrize("bulk", [False, True])
+@pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
+    (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
+    (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
+def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, bulk, monkeypatch):
+    """The decode kernel with its weight ring filled by cp.async or (Hopper) by bulk copies, rings of 2 to 5
+    stages: long K (the ring wraps), split-K, a partial last column tile, one or several experts."""
+    from dataclasses import replace
+    rng = np.random.default_rng(bits + 2 * sym + 4 * act_order + 8 * bulk)
+    for stages, ku in ((2, 4), (5, 4), (8, 2)):
+        cfg = replace(configs.DECODE, stages=stages, ku=ku, bulk=bulk)
+        monkeypatch.setitem(configs.KERNEL_SHAPES, 16, cfg)
+        monkeypatch.setattr(configs, "DECODE", cfg)
+        for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96)):
+            run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
+                     dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
 
 
 def test_gemm_deterministic_prefill():
