@@ -5,7 +5,8 @@
 #   when asked for: sweep.txt (the tile sweep of benchmarks/sweep_tiles.py with $SWEEP_ARGS; it runs first, so with
 #   --write the other stages use its winners) and reads.txt (benchmarks/read_patterns.py).
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
-# STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py.
+# STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py;
+# TESTS_ARGS to pytest (default: the whole suite; "-m gpu tests" runs only the tests that need the GPU).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -23,7 +24,7 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
 
 stage reads "${READS_TIMEOUT:-90}" "$OUT/reads.txt" python3 benchmarks/read_patterns.py
 stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-}
-stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider tests
+stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
 stage bench "${BENCH_TIMEOUT:-190}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
 [[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 stage demo "${DEMO_TIMEOUT:-80}" "$OUT/demo.txt" python3 -m cupy_moe demo
