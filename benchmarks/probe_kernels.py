@@ -2,8 +2,9 @@
 kernels/moe_gemm.cu): 1 = no weight loads, 2 = no dequantization, 4 = no mma. Results are wrong under a probe;
 only the times mean something.
 
-    python benchmarks/probe_kernels.py
+    python benchmarks/probe_kernels.py [--rows all|decode|prefill] [--probes 0,1,2,4,6,3,7]
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,12 +20,19 @@ PROBES = {0: "full", 1: "no weight loads", 2: "no dequant", 4: "no mma", 6: "loa
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", choices=["all", "decode", "prefill"], default="all")
+    ap.add_argument("--probes", default=",".join(str(b) for b in PROBES))
+    args = ap.parse_args()
+    rows = [r for r in ROWS if args.rows == "all" or (r[2] <= 64) == (args.rows == "decode")]
+    probes = [int(b) for b in args.probes.split(",")]
     copy_bw, mm_rate = bg.copy_bandwidth(), bg.matmul_rate()
-    print(f"{'probe':22s} " + " ".join(f"{m[:7]}/{ph[:2]}/{mm:<5d}" for m, ph, mm in ROWS))
-    for bits, label in PROBES.items():
+    print(f"{'probe':22s} " + " ".join(f"{m[:7]}/{ph[:2]}/{mm:<5d}" for m, ph, mm in rows))
+    for bits in probes:
+        label = PROBES[bits]
         bg.set_probe(bits)
         times = [bg.bench_row(m, ph, mm, copy_bw, mm_rate, 10, rotations=4, baseline=False)["time_us"]
-                 for m, ph, mm in ROWS]
+                 for m, ph, mm in rows]
         print(f"{bits} {label:20s} " + " ".join(f"{t:16.1f}" for t in times), flush=True)
 
 
