@@ -5,13 +5,16 @@ docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
   (128 k) per pipeline stage, a cp.async weight ring; each lane dequantizes its own B fragments in registers.
+  (`bulk=True` fills the ring with Hopper bulk copies instead: 4-38% slower on the sweep's decode rows, so off.)
   Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
   else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
-- `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 128 tiles; the CTA dequantizes each
-  weight once into one of two shared-memory B tiles while the mmas of the previous 32-k step read the other
-  (ldmatrix + mma.sync; activations staged by cp.async too). The 64-row tile is 256 wide: the gathered activation
-  rows are re-read from L2 once per column tile, and 256 columns halve that traffic (13-28% faster on the 64-row
-  rows, sweep_tiles.py and bench_gemm.py); 128 x 256 (1 CTA per SM at 237 registers) was not faster than 128 x 128.
+- `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles, a 6-deep cp.async ring; the
+  CTA dequantizes each weight once into one of two shared-memory B tiles while the tensor cores work on the
+  previous 32-k step from the other (wgmma on sm_90a, issued asynchronously; ldmatrix + mma.sync elsewhere). The
+  tiles are 256 wide: the gathered activation rows are re-read from L2 once per column tile, and 256 columns halve
+  that traffic. Measured on the H200 (benchmarks/sweep_tiles.py, 2026-12-03): with wgmma, 128 x 256 and 6 stages
+  beat 128 x 128 and 4 stages by 9% on Mixtral-8x7B gate/up M=4096 and tied on the other sweep rows; ROWS_64_MAX 64
+  instead of 160 changed nothing measurable. (With mma.sync, 2026-12-02, 128 x 256 was not faster than 128 x 128.)
   Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
@@ -111,8 +114,8 @@ class GemmConfig:
 
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
-PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=4, kind="tc")     # 64 x 256
-PREFILL_128 = GemmConfig(mt=2, warps_m=4, warps_n=2, ng=2, ku=1, stages=4, kind="tc")  # 128 x 128
+PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
+PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")  # 128 x 256
 KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL, PREFILL_128.block_m: PREFILL_128}
 # act-order weights at the tc block sizes: moe_gemm shapes of the same block_m
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
