@@ -5,7 +5,8 @@ docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
   (128 k) per pipeline stage, a cp.async weight ring; each lane dequantizes its own B fragments in registers.
-  (`bulk=True` fills the ring with Hopper bulk copies instead: 4-38% slower on the sweep's decode rows, so off.)
+  (`bulk=True` fills the ring with Hopper bulk copies instead: 10-44% slower on 5 of the 6 decode rows of the
+  sweep, 3% faster on the smallest, 2026-12-03; so off.)
   Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
   else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles, a 6-deep cp.async ring; the
