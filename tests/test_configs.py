@@ -71,3 +71,50 @@ def test_tune_checks_its_arguments_before_touching_a_gpu():
     from cupy_moe.tune import tune
     with pytest.raises(ValueError, match=r"ms: expected token counts M >= 1, got \[0\]"):
         tune(ms=(1, 0))
+
+
+def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
+    tc, dec = configs.PREFILL_128, configs.DECODE
+    assert configs.kernel_instance(tc, False, 4, False, 128)[1].endswith(", false>")
+    _, name, smem = configs.kernel_instance(tc, False, 4, False, 128, hopper=True)
+    assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, true>"
+    # wgmma: stages rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
+    stage = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
+    assert smem == tc.stages * (-(-stage // 512) * 512) + 2 * tc.block_n * 64 + 1024
+    # the decode kernel takes the bulk ring only where the config asks for it, and only with hopper
+    from dataclasses import replace
+    assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True)[1].endswith(", false>")
+    assert configs.kernel_instance(replace(dec, bulk=True), True, 8, False, 128, hopper=True)[1].endswith(", true>")
+    assert configs.kernel_instance(replace(dec, bulk=True), True, 8, False, 128)[1].endswith(", false>")
+    # act-order at a tc block size falls back to moe_gemm, which has no wgmma variant
+    cfg, name, smem = configs.kernel_instance(tc, False, 4, True, 128, hopper=True)
+    assert name.startswith("moe_gemm<") and smem == 0
+    monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
+    assert not configs.hopper_enabled("sm_90a")
+    monkeypatch.setenv("CUPY_MOE_HOPPER", "1")
+    assert configs.hopper_enabled("sm_90a") and not configs.hopper_enabled("sm_90") and not configs.hopper_enabled("sm_80")
+
+
+def test_default_tiles_fit_one_sm():
+    """Every instance the launcher can request fits an H100/H200 SM's 227 KiB of opt-in shared memory."""
+    for cfg in configs.KERNEL_SHAPES.values():
+        for bits in (4, 8):
+            for hopper in (False, True):
+                assert cfg.smem_bytes(bits, hopper) <= 227 * 1024, (cfg, bits, hopper)
+
+
+def test_benchmark_tile_specs_round_trip():
+    """benchmarks/sweep_tiles.py writes winners through these specs; bench_gemm.py --tiles reads them."""
+    import sys
+    from pathlib import Path
+    pytest.importorskip("cupy")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_gemm
+    from dataclasses import replace
+    for cfg in (configs.DECODE, replace(configs.DECODE, bulk=True, stages=4), configs.PREFILL, configs.PREFILL_128):
+        spec = bench_gemm.tile_spec(cfg)
+        assert bench_gemm.parse_tiles(spec) == [cfg]
+    with pytest.raises(ValueError, match="kind 'fast'"):
+        bench_gemm.parse_tiles("16=fast:1,1,4,1,4,2")
+    with pytest.raises(ValueError, match="block_m 16, not 64"):
+        bench_gemm.parse_tiles("64=1,1,4,1,4,2")
