@@ -65,16 +65,17 @@ def main():
                   f"{r['time_us']:9.1f} us floor {r['floor_ratio']:.2f} flops {r['flop_ratio']:.2f}", flush=True)
         return logt
 
+    # the current defaults (use_tile changes them as it goes) stand wherever no candidate passes its check
     default_rows64 = configs.ROWS_64_MAX
-    best_dec = (0.0, configs.DECODE) if "--prefill-only" in sys.argv else None
-    for c in DECODE if best_dec is None else ():
+    best_dec = (math.inf, configs.DECODE)
+    best_pre = (math.inf, configs.PREFILL, configs.PREFILL_128, default_rows64)
+    for c in () if "--prefill-only" in sys.argv else DECODE:
         bg.use_tile(c)
         if not check([c]):
             continue
         logt = time_rows(DECODE_ROWS, bg.tile_spec(c))
-        if best_dec is None or logt < best_dec[0]:
+        if logt < best_dec[0]:
             best_dec = (logt, c)
-    best_pre = None
     for c64, c128, rows64 in PREFILL:
         for c in (c64, c128):
             bg.use_tile(c)
@@ -82,7 +83,7 @@ def main():
         if not check([c64, c128]):
             continue
         logt = time_rows(PREFILL_ROWS, f"{bg.tile_spec(c64)};{bg.tile_spec(c128)} rows64<={rows64}")
-        if best_pre is None or logt < best_pre[0]:
+        if logt < best_pre[0]:
             best_pre = (logt, c64, c128, rows64)
     configs.ROWS_64_MAX = default_rows64
     if probe:  # last: the probe builds replace the real ones in this process

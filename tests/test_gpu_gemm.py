@@ -116,8 +116,9 @@ def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper,
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
 def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, bulk, monkeypatch):
-    """The decode kernel with its weight ring filled by cp.async or (Hopper) by bulk copies, rings of 2 to 5
-    stages: long K (the ring wraps), split-K, a partial last column tile, one or several experts."""
+    """The decode kernel with its weight ring filled by cp.async or (Hopper) by bulk copies, rings of 2 to 8
+    stages asked for (the kernel caps the depth to its shared memory): long K (the ring wraps), split-K, a partial
+    last column tile, one or several experts."""
     from dataclasses import replace
     rng = np.random.default_rng(bits + 2 * sym + 4 * act_order + 8 * bulk)
     for stages, ku in ((2, 4), (5, 4), (8, 2)):
