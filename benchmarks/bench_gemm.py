@@ -153,12 +153,12 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
                 baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
 
 
-_KINDS = {"reg": dict(), "bulk": dict(bulk=True), "tc": dict(kind="tc")}  # tile spec prefix -> GemmConfig fields
+_KINDS = {"reg": dict(), "tc": dict(kind="tc")}  # tile spec prefix -> GemmConfig fields
 
 
 def parse_tiles(spec):
-    """'16=bulk:1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
-    with kind reg (default), bulk (moe_gemm with bulk weight copies on Hopper) or tc; block_m is checked."""
+    """'16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
+    with kind reg (moe_gemm, the default) or tc (moe_gemm_tc); block_m is checked."""
     out = []
     for item in filter(None, spec.split(";")):
         key, val = item.split("=")
@@ -173,7 +173,7 @@ def parse_tiles(spec):
 
 
 def tile_spec(cfg):
-    kind = "tc:" if cfg.kind == "tc" else "bulk:" if cfg.bulk else ""
+    kind = "tc:" if cfg.kind == "tc" else ""
     return f"{cfg.block_m}={kind}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
 
 
@@ -216,8 +216,8 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiles", default=None,
-                    help="tuning: override kernel shapes, e.g. '16=bulk:1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
-                         "(block_m=[reg:|bulk:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
+                    help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
+                         "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
     args = ap.parse_args(argv)
     if args.tiles:

@@ -1,11 +1,12 @@
 """Time candidate tile shapes on a few representative rows (the data behind configs.py's choices).
 
-    python benchmarks/sweep_tiles.py [--probe] [--write] [--prefill-only]
+    python benchmarks/sweep_tiles.py [--probe] [--write] [--prefill-only | --decode-only]
 Each candidate is first checked against the NumPy reference (tests/test_gpu_gemm.run_case), then timed; one line
 per (candidate, row): time in us and the fraction of the traffic floor / matmul rate. The last line,
 `bench_args: ...`, holds the winners as arguments for benchmarks/bench_gemm.py.
 --probe also times the decode candidates with the weight loads only (CUPY_MOE_PROBE=6, see kernels/moe_gemm.cu);
---write makes the winners configs.py's defaults; --prefill-only skips the decode candidates (keeps DECODE).
+--write makes the winners configs.py's defaults; --prefill-only / --decode-only skip the other regime's candidates
+(its defaults stay).
 On sm_90a the tc candidates run the wgmma variant (CUPY_MOE_HOPPER=0: the mma.sync one).
 """
 import math
@@ -19,8 +20,9 @@ from cupy_moe import configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
 # decode (block_m 16, moe_gemm): (mt, warps_m, warps_n, ng, ku, stages). Per stage a CTA reads 32*ku/8 qweight
-# rows x 128*ng columns: 16 rows x 512 B (the default), 8 x 1 KiB. bulk: the ring is filled by bulk copies (Hopper).
-DECODE = [GemmConfig(1, 1, 4, 1, 4, 2), GemmConfig(1, 1, 4, 1, 4, 4, bulk=True), GemmConfig(1, 1, 4, 1, 2, 8, bulk=True)]
+# rows x 32*warps_n*ng columns (16 rows x 512 B by default) and 16 activation rows of 32*ku k; stages - 1 in flight.
+DECODE = [GemmConfig(1, 1, 4, 1, 4, 4), GemmConfig(1, 1, 4, 1, 4, 3), GemmConfig(1, 1, 4, 1, 4, 6),
+          GemmConfig(1, 1, 4, 1, 8, 3), GemmConfig(1, 1, 8, 1, 4, 4)]
 _TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2, 4, 2), (128, 256): (4, 2, 4, 2)}
 TC = lambda bm, bn, st=4: GemmConfig(*_TC_WARPS[bm, bn], ku=1, stages=st, kind="tc")  # mt, warps_m, warps_n, ng
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX = the most rows per touched expert that
@@ -76,7 +78,7 @@ def main():
         logt = time_rows(DECODE_ROWS, bg.tile_spec(c))
         if logt < best_dec[0]:
             best_dec = (logt, c)
-    for c64, c128, rows64 in PREFILL:
+    for c64, c128, rows64 in () if "--decode-only" in sys.argv else PREFILL:
         for c in (c64, c128):
             bg.use_tile(c)
         configs.ROWS_64_MAX = rows64
@@ -104,7 +106,7 @@ def write_defaults(dec, c64, c128, rows64):
     path = Path(configs.__file__)
     src = path.read_text()
     for name, cfg in (("DECODE", dec), ("PREFILL", c64), ("PREFILL_128", c128)):
-        kind = ', kind="tc"' if cfg.kind == "tc" else ", bulk=True" if cfg.bulk else ""
+        kind = ', kind="tc"' if cfg.kind == "tc" else ""
         new = (f"{name} = GemmConfig(mt={cfg.mt}, warps_m={cfg.warps_m}, warps_n={cfg.warps_n}, ng={cfg.ng}, "
                f"ku={cfg.ku}, stages={cfg.stages}{kind})")
         src, n = re.subn(rf"^{name} = GemmConfig\([^)]*\)", new, src, flags=re.M)

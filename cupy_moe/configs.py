@@ -4,10 +4,9 @@ Two kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.
 docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
-  (128 k) per pipeline stage, a cp.async weight ring; each lane dequantizes its own B fragments in registers.
-  (`bulk=True` fills the ring with Hopper bulk copies instead: 10-44% slower on 5 of the 6 decode rows of the
-  sweep, 3% faster on the smallest, 2026-12-03; so off.)
-  Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
+  (128 k) per pipeline stage; weights, activation rows, scales and zeros all come through one cp.async ring in
+  shared memory, `stages - 1` stages ahead of the one computed; each lane dequantizes its own B fragments in
+  registers. Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
   else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles, a 6-deep cp.async ring; the
   CTA dequantizes each weight once into one of two shared-memory B tiles while the tensor cores work on the
@@ -49,7 +48,7 @@ MODEL_SHAPES = {
 }
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
-_TARGET_CTAS = {"reg": 3 * NUM_SMS, "tc": 2 * NUM_SMS}  # about one wave of resident CTAs
+_TARGET_CTAS = {"reg": 4 * NUM_SMS, "tc": 2 * NUM_SMS}  # about one wave of resident CTAs
 _MAX_SPLIT = 16
 
 
@@ -58,8 +57,8 @@ class GemmConfig:
     """Template parameters of one `moe_gemm` instance plus the run-time split-K factor.
 
     block_m = warps_m * mt * 16 rows of one expert per CTA (= the align block size B);
-    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage; stages = depth of the
-    cp.async weight ring (stages - 1 stages in flight while one computes).
+    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage (moe_gemm); stages =
+    depth of the cp.async ring (stages - 1 stages in flight while one computes).
     """
     mt: int
     warps_m: int
@@ -69,7 +68,6 @@ class GemmConfig:
     stages: int = 4
     split_k: int = 1
     kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory)
-    bulk: bool = False  # moe_gemm on Hopper: weight ring filled by bulk copies (one per row segment) not cp.async
 
     @property
     def block_m(self) -> int:
@@ -91,30 +89,35 @@ class GemmConfig:
 
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
                         hopper: bool = False) -> str:
-        """The kernel instance; hopper: use the Hopper variant (tc: wgmma, sm_90a; moe_gemm: bulk copies when
-        self.bulk, sm_90)."""
+        """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none)."""
         b = lambda flag: "true" if flag else "false"
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
             return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {b(hopper)}>"
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{self.stages}, {self.group_mode(act_order, group_len)}, {b(hopper and self.bulk)}>")
+                f"{self.stages}, {self.group_mode(act_order, group_len)}>")
 
-    def smem_bytes(self, bits: int, hopper: bool = False) -> int:
-        """Dynamic shared memory of the tc kernel (must match TcSmem in moe_gemm.cu): per stage the activation
-        rows, raw qweight rows, scales and zero words, plus two B tiles; 0 for moe_gemm (static shared memory).
-        The wgmma variant (hopper) rounds stages to 512 bytes and adds 1 KiB to align the base."""
-        if self.kind != "tc":
-            return 0
+    def smem_bytes(self, bits: int, hopper: bool = False, act_order: bool = False, group_len: int | None = None) -> int:
+        """Dynamic shared memory of one launch (must match DecodeStage / TcSmem in moe_gemm.cu).
+
+        moe_gemm: per stage the lane-private weight words, the activation rows, and the scale and zero words of
+        its groups (one set per stage in group mode 1, one per 32-k chunk in mode 0, none with act-order).
+        tc: per stage the activation rows, raw qweight rows, scales and zero words, plus two B tiles; the wgmma
+        variant (hopper) rounds stages to 512 bytes and adds 1 KiB to align the base."""
         bn = self.block_n
+        if self.kind != "tc":
+            sets = {0: self.ku, 1: 1, 2: 0}[self.group_mode(act_order, group_len)]
+            stage = (self.ku * self.ng * bits // 4 * self.threads * 16 + self.block_m * self.ku * 64
+                     + sets * bn * (2 + bits // 8))
+            return self.stages * stage
         stage = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
         if hopper:
             stage = -(-stage // 512) * 512
         return self.stages * stage + 2 * bn * 64 + (1024 if hopper else 0)
 
 
-DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
+DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=4)
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")  # 128 x 256
 KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL, PREFILL_128.block_m: PREFILL_128}
@@ -126,8 +129,7 @@ ROWS_16_MAX, ROWS_64_MAX = 24, 160  # heuristic block_m: rows per touched expert
 
 
 def hopper_enabled(arch: str) -> bool:
-    """Whether the Hopper variants run (tc: wgmma; moe_gemm: bulk weight copies where the config asks): on
-    `sm_90a` unless the environment sets CUPY_MOE_HOPPER=0 (the sm_80-style kernels then run, e.g. to compare)."""
+    """Whether the Hopper variant of the tc kernel (wgmma) runs: on `sm_90a` unless the environment sets CUPY_MOE_HOPPER=0 (the sm_80-style kernels then run, e.g. to compare)."""
     return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 
@@ -139,15 +141,16 @@ def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, gro
     """
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
-    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper), cfg.smem_bytes(bits, hopper)
+    return (cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper),
+            cfg.smem_bytes(bits, hopper, act_order, group_len))
 
 
 def all_name_expressions(arch: str = "sm_80") -> list[str]:
     """Every kernel instance the launcher can request on `arch` (the NVRTC compile test compiles all of them);
-    on sm_90a both the Hopper and the sm_80-style variants (the decode shapes with bulk copies too)."""
+    on sm_90a both the Hopper and the sm_80-style variants."""
     names = []
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
-        shapes = [replace(c, bulk=hopper) if c.kind == "reg" else c for c in KERNEL_SHAPES.values()]
+        shapes = list(KERNEL_SHAPES.values())
         for bf16 in (False, True):
             for bits in (4, 8):
                 for cfg in shapes:

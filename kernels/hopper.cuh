@@ -1,6 +1,4 @@
-// Hopper-only PTX. Bulk copies (cp.async.bulk, the TMA engine: one instruction moves a whole row segment from global
-// to shared memory and completes on an mbarrier; sm_90) and the mbarrier operations they need; and warpgroup MMA
-// (wgmma, sm_90a): shared-memory matrix descriptors for the 64-byte swizzled K-major
+// Hopper-only PTX: warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for the 64-byte swizzled K-major
 // tiles the tc kernel stages (rows of 32 k = 64 bytes, 16-byte chunk c of row r stored at c ^ ((r >> 1) & 3), tile
 // bases 512-byte aligned), the m64n128k16 / m64n256k16 ops with fp32 accumulation in registers, and their fences.
 //
@@ -11,50 +9,11 @@
 
 namespace gptq {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-constexpr bool kHaveBulk = true;
-#else
-constexpr bool kHaveBulk = false;
-#endif
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 constexpr bool kHaveWgmma = true;
 #else
 constexpr bool kHaveWgmma = false;
 #endif
-
-// ---- mbarrier + bulk copy (shared-memory addresses as from smem_u32)
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned arrivals) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(arrivals) : "memory");
-#endif
-}
-// makes initialized barriers visible to the async proxy (the copy engine); a CTA barrier follows
-__device__ __forceinline__ void mbar_init_fence() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-#endif
-}
-// one arrival that also announces `bytes` still to land (the phase completes when both are in)
-__device__ __forceinline__ void mbar_arrive_expect(unsigned bar, unsigned bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-#endif
-}
-// wait until the phase of parity `parity` has completed
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}\n"
-      ::"r"(bar), "r"(parity) : "memory");
-#endif
-}
-// global -> shared copy of `bytes` (a multiple of 16, both addresses 16-byte aligned), completing on `bar`
-__device__ __forceinline__ void bulk_copy(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-#endif
-}
 
 // ---- wgmma
 

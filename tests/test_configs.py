@@ -81,14 +81,17 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     # wgmma: stages rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
     stage = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
     assert smem == tc.stages * (-(-stage // 512) * 512) + 2 * tc.block_n * 64 + 1024
-    # the decode kernel takes the bulk ring only where the config asks for it, and only with hopper
-    from dataclasses import replace
-    assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True)[1].endswith(", false>")
-    assert configs.kernel_instance(replace(dec, bulk=True), True, 8, False, 128, hopper=True)[1].endswith(", true>")
-    assert configs.kernel_instance(replace(dec, bulk=True), True, 8, False, 128)[1].endswith(", false>")
-    # act-order at a tc block size falls back to moe_gemm, which has no wgmma variant
+    # the decode kernel has no Hopper variant; its ring (DecodeStage in moe_gemm.cu) holds per stage the lane-private
+    # weight words, 16 activation rows of 32*ku k, and one scale/zero set per stage (G % (32 ku) == 0) or per chunk
+    assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == configs.kernel_instance(dec, True, 8, False, 128)
+    words = dec.ku * dec.ng * dec.threads * 16  # per 4 bits
+    for bits, glen, sets in ((8, 128, 1), (4, 32, dec.ku), (4, 4096, 1)):
+        smem = configs.kernel_instance(dec, False, bits, False, glen)[2]
+        assert smem == dec.stages * (words * bits // 4 + 16 * dec.ku * 64 + sets * dec.block_n * (2 + bits // 8))
+    # act-order at a tc block size falls back to moe_gemm (no wgmma variant; scales gathered, not in the ring)
     cfg, name, smem = configs.kernel_instance(tc, False, 4, True, 128, hopper=True)
-    assert name.startswith("moe_gemm<") and smem == 0
+    assert name.startswith("moe_gemm<") and name.endswith(", 2>")
+    assert smem == cfg.stages * (cfg.ku * cfg.ng * cfg.threads * 16 + 128 * cfg.ku * 64)
     monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
     assert not configs.hopper_enabled("sm_90a")
     monkeypatch.setenv("CUPY_MOE_HOPPER", "1")
@@ -97,10 +100,13 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
 
 def test_default_tiles_fit_one_sm():
     """Every instance the launcher can request fits an H100/H200 SM's 227 KiB of opt-in shared memory."""
-    for cfg in configs.KERNEL_SHAPES.values():
+    for cfg in (*configs.KERNEL_SHAPES.values(), *configs.ACT_ORDER_SHAPES.values()):
         for bits in (4, 8):
             for hopper in (False, True):
-                assert cfg.smem_bytes(bits, hopper) <= 227 * 1024, (cfg, bits, hopper)
+                for act, glen in ((False, 32), (False, 128), (True, None)):
+                    if cfg.kind == "tc" and act:
+                        continue
+                    assert cfg.smem_bytes(bits, hopper, act, glen) <= 227 * 1024, (cfg, bits, hopper, act, glen)
 
 
 def test_benchmark_tile_specs_round_trip():
@@ -111,7 +117,7 @@ def test_benchmark_tile_specs_round_trip():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_gemm
     from dataclasses import replace
-    for cfg in (configs.DECODE, replace(configs.DECODE, bulk=True, stages=4), configs.PREFILL, configs.PREFILL_128):
+    for cfg in (configs.DECODE, replace(configs.DECODE, ku=8, stages=3), configs.PREFILL, configs.PREFILL_128):
         spec = bench_gemm.tile_spec(cfg)
         assert bench_gemm.parse_tiles(spec) == [cfg]
     with pytest.raises(ValueError, match="kind 'fast'"):
