@@ -24,11 +24,11 @@ from cupy_moe.configs import GemmConfig  # noqa: E402
 DECODE = [GemmConfig(1, 1, 4, 1, 4, 4), GemmConfig(1, 1, 4, 1, 4, 3), GemmConfig(1, 1, 4, 1, 4, 6),
           GemmConfig(1, 1, 4, 1, 8, 3), GemmConfig(1, 1, 8, 1, 4, 4)]
 _TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2, 4, 2), (128, 256): (4, 2, 4, 2)}
-TC = lambda bm, bn, st=4: GemmConfig(*_TC_WARPS[bm, bn], ku=1, stages=st, kind="tc")  # mt, warps_m, warps_n, ng
+TC = lambda bm, bn, st=4, ku=1: GemmConfig(*_TC_WARPS[bm, bn], ku=ku, stages=st, kind="tc")  # ku: 32-k steps/stage
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX = the most rows per touched expert that
 # still run block_m 64)
-PREFILL = [(TC(64, 256), TC(128, 128), 160), (TC(64, 256, 6), TC(128, 256, 6), 160),
-           (TC(64, 256, 6), TC(128, 256, 6), 64)]
+PREFILL = [(TC(64, 256, 6), TC(128, 256, 6), 160), (TC(64, 256, 6), TC(128, 256, 4, 2), 160),
+           (TC(64, 256, 3, 2), TC(128, 256, 3, 2), 160)]
 DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 64), ("Qwen3-30B-A3B", "down", 16),
                ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1)]
 PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024), ("Qwen3-30B-A3B", "gate_up", 4096),

@@ -57,7 +57,7 @@ class GemmConfig:
     """Template parameters of one `moe_gemm` instance plus the run-time split-K factor.
 
     block_m = warps_m * mt * 16 rows of one expert per CTA (= the align block size B);
-    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage (moe_gemm); stages =
+    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage; stages =
     depth of the cp.async ring (stages - 1 stages in flight while one computes).
     """
     mt: int
@@ -94,7 +94,8 @@ class GemmConfig:
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
-            return f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {b(hopper)}>"
+            return (f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {self.ku}, "
+                    f"{b(hopper)}>")
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
                 f"{self.stages}, {self.group_mode(act_order, group_len)}>")
 
@@ -103,18 +104,19 @@ class GemmConfig:
 
         moe_gemm: per stage the lane-private weight words, the activation rows, and the scale and zero words of
         its groups (one set per stage in group mode 1, one per 32-k chunk in mode 0, none with act-order).
-        tc: per stage the activation rows, raw qweight rows, scales and zero words, plus two B tiles; the wgmma
-        variant (hopper) rounds stages to 512 bytes and adds 1 KiB to align the base."""
+        tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
+        two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
+        base."""
         bn = self.block_n
         if self.kind != "tc":
             sets = {0: self.ku, 1: 1, 2: 0}[self.group_mode(act_order, group_len)]
             stage = (self.ku * self.ng * bits // 4 * self.threads * 16 + self.block_m * self.ku * 64
                      + sets * bn * (2 + bits // 8))
             return self.stages * stage
-        stage = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
+        step = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
         if hopper:
-            stage = -(-stage // 512) * 512
-        return self.stages * stage + 2 * bn * 64 + (1024 if hopper else 0)
+            step = -(-step // 512) * 512
+        return self.stages * self.ku * step + 2 * self.ku * bn * 64 + (1024 if hopper else 0)
 
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=4)

@@ -413,21 +413,25 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 // 16-byte store hit 8 different bank quads. That is also the layout wgmma's 64-byte swizzle mode expects
 // (hopper.cuh), so with kWg the two warpgroups issue m64nNk16 ops on the same tiles asynchronously and dequantize the
 // next step while the tensor cores work; N = BN (BM 128, warpgroup = 64 rows) or BN/2 (BM 64, warpgroup = columns).
+// A pipeline stage is KT such 32-k steps laid out one after the other (and a B buffer KT tiles), so that one barrier
+// and one wgmma wait cover KT steps of tensor work.
 // Split-K: the same partials + ticket protocol as moe_gemm (fixed-order reduction by the last CTA).
-template <int BM, int BN, int kBits, int NS, bool kWg>
+template <int BM, int BN, int kBits, int NS, int KT, bool kWg>
 struct TcSmem {
-  static constexpr int kA = BM * 64;                  // bytes of one A stage
+  static constexpr int kA = BM * 64;                  // bytes of one 32-k step's A tile
   static constexpr int kQ = kBits * BN * 4;           // qweight rows of one 32-k step
   static constexpr int kS = BN * 2;                   // scales
   static constexpr int kZ = BN * kBits / 8;           // zero words (bytes)
   // all multiples of 16; wgmma descriptors need every A and B tile 512-byte aligned (the 64-byte swizzle period)
-  static constexpr int kStage = kWg ? (kA + kQ + kS + kZ + 511) / 512 * 512 : kA + kQ + kS + kZ;
-  static constexpr int kB = BN * 64;                  // one dequantized B tile (two: double-buffered)
+  static constexpr int kStep = kWg ? (kA + kQ + kS + kZ + 511) / 512 * 512 : kA + kQ + kS + kZ;
+  static constexpr int kStage = KT * kStep;
+  static constexpr int kB = BN * 64;                  // one dequantized 32-k B tile
+  static constexpr int kBuf = KT * kB;                // one B buffer (two: double-buffered)
   static constexpr int kAlign = kWg ? 1024 : 0;       // slack to align the dynamic shared-memory base
-  static constexpr int kTotal = NS * kStage + 2 * kB + kAlign;
+  static constexpr int kTotal = NS * kStage + 2 * kBuf + kAlign;
 };
 
-template <bool kBf16, int kBits, int BM, int BN, int NS, bool kWg>
+template <bool kBf16, int kBits, int BM, int BN, int NS, int KT, bool kWg>
 __global__ void __launch_bounds__(256)
 moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -443,7 +447,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             int* __restrict__ tickets,                   // [C / BM, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
             int split_k, int chunks_per_split) {
-  using L = TcSmem<BM, BN, kBits, NS, kWg>;
+  using L = TcSmem<BM, BN, kBits, NS, KT, kWg>;
   constexpr int THREADS = 256;
   // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128: 64 x BN each) or columns
   // i*BN/2.. (BM 64: 64 x BN/2 each); its warp w holds 16 rows, so as a grid of warps that is WM x WN = BM/16 x 8/WM.
@@ -503,18 +507,19 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int total_chunks = K / 32;
   const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
-  const int nsteps = c_end - c_begin;
+  const int nsteps = (c_end - c_begin + KT - 1) / KT;  // pipeline steps of KT chunks (the last may be partial)
 
-  auto issue = [&](int slot, int c) {
-    unsigned char* st = smem + slot * L::kStage;
+  // one 32-k step (chunk c) into st; past the slice end everything is zero-filled (no reads), so the step adds 0
+  auto issue_step = [&](unsigned char* st, int c) {
+    const bool in = c < c_end;
     const int k0 = c * 32;
 #pragma unroll
     for (int i = 0; i < A_PER; ++i)
-      gptq::cp_async16(st + a_dst[i], a_src[i] ? a_src[i] + k0 : a, a_src[i] != nullptr);
+      gptq::cp_async16(st + a_dst[i], in && a_src[i] ? a_src[i] + k0 : a, in && a_src[i] != nullptr);
 #pragma unroll
     for (int i = 0; i < Q_PER; ++i) {
       const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
-      const bool q_ok = n_base + 4 * q_chunk < N;
+      const bool q_ok = in && n_base + 4 * q_chunk < N;
       if (idx < kBits * Q_ROW && !(kProbe & 1))
         gptq::cp_async16(st + L::kA + idx * 16,
                          q_ok ? qw_e + static_cast<long long>(c * kBits + q_row) * N + n_base + 4 * q_chunk : qw_e,
@@ -523,12 +528,16 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     const int grp = k0 / group_len;
     if (s_do)
       gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16,
-                       s_ok ? sc_e + static_cast<long long>(grp) * N + n_base + 8 * s_chunk : sc_e, s_ok);
+                       in && s_ok ? sc_e + static_cast<long long>(grp) * N + n_base + 8 * s_chunk : sc_e, in && s_ok);
     if (zc_do)
       gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16,
-                       zc_ok ? qz_e + static_cast<long long>(grp) * zwords + n_base * kBits / 32 + 4 * z_thread
-                             : qw_e,
-                       zc_ok);
+                       in && zc_ok ? qz_e + static_cast<long long>(grp) * zwords + n_base * kBits / 32 + 4 * z_thread
+                                   : qw_e,
+                       in && zc_ok);
+  };
+  auto issue = [&](int slot, int c) {
+#pragma unroll
+    for (int s = 0; s < KT; ++s) issue_step(smem + slot * L::kStage + s * L::kStep, c + s);
   };
 
   // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, RPT per thread)
@@ -536,11 +545,9 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int dn = tid % BN, dk = tid / BN;  // runs RPT*dk .. RPT*dk + RPT-1
   const int b_row = dn * 64;
   const int b_key = (dn >> 1) & 3;
-  unsigned char* bs = smem + NS * L::kStage;
+  unsigned char* bs = smem + NS * L::kStage;  // B buffers
 
-  auto dequant = [&](int slot, int buf) {
-    const unsigned char* st = smem + slot * L::kStage;
-    unsigned char* bt = bs + buf * L::kB;
+  auto dequant_step = [&](const unsigned char* st, unsigned char* bt) {
     const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[dn];
     int zc = kSymZero;
     if (qz_e) {
@@ -558,6 +565,10 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
       const uint4 v = gptq::dequant8_natural<kBf16, kBits>(q, gc);
       *reinterpret_cast<uint4*>(bt + b_row + ((run ^ b_key) << 4)) = v;
     }
+  };
+  auto dequant = [&](int slot, int buf) {
+#pragma unroll
+    for (int s = 0; s < KT; ++s) dequant_step(smem + slot * L::kStage + s * L::kStep, bs + buf * L::kBuf + s * L::kB);
   };
 
   float acc[MTL][NT][4];
@@ -578,10 +589,11 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const unsigned bs_base = gptq::smem_u32(bs);
 
   auto mma_step = [&](int slot, int buf) {
-    const unsigned as_base = smem_base + slot * L::kStage;
-    const unsigned b_base = bs_base + buf * L::kB;
 #pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
+    for (int kq = 0; kq < 2 * KT; ++kq) {  // k16 slices: step kq / 2, half kk
+      const int kk = kq & 1;
+      const unsigned as_base = smem_base + slot * L::kStage + (kq >> 1) * L::kStep;
+      const unsigned b_base = bs_base + buf * L::kBuf + (kq >> 1) * L::kB;
       u32 af[MTL][4];
 #pragma unroll
       for (int mt = 0; mt < MTL; ++mt)
@@ -607,18 +619,20 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   auto wg_issue = [&](int slot, int buf) {
     if constexpr (kWg) {
       const unsigned a_addr = smem_base + slot * L::kStage + wg_a_off;
-      const unsigned b_addr = bs_base + buf * L::kB + wg_b_off;
+      const unsigned b_addr = bs_base + buf * L::kBuf + wg_b_off;
       gptq::wg_fence_operands(acc[0]);
       gptq::wg_fence();
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk)
-        gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64(a_addr + 32 * kk),
-                                       gptq::wg_desc_sw64(b_addr + 32 * kk));
+      for (int kq = 0; kq < 2 * KT; ++kq) {  // step kq / 2, k16 half kq & 1
+        const unsigned ka = (kq >> 1) * L::kStep + 32 * (kq & 1), kb = (kq >> 1) * L::kB + 32 * (kq & 1);
+        gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64(a_addr + ka), gptq::wg_desc_sw64(b_addr + kb));
+      }
       gptq::wg_commit();
     }
   };
 
-  // ---- main loop: NS-1 raw steps in flight, B double-buffered, one barrier per step. Iteration `it` dequantizes
+  // ---- main loop (a step = KT chunks of 32 k): NS-1 raw steps in flight, B double-buffered, one barrier per step.
+  // Iteration `it` dequantizes
   // step it+1 into B[(it+1)&1] while the mmas of step it read B[it&1], so the ALU and tensor work of two steps
   // interleave in every warp. The barrier at the top of iteration it orders: raw step it+1 landed for all; B[it&1]
   // (dequantized in iteration it-1) complete; every warp done with step it-1 (its raw slot and B[(it+1)&1]; the
@@ -626,7 +640,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   static_assert(NS >= 3, "one raw step ahead of the one being dequantized");
 #pragma unroll
   for (int s = 0; s < NS - 1; ++s) {
-    if (s < nsteps) issue(s, c_begin + s);
+    if (s < nsteps) issue(s, c_begin + s * KT);
     gptq::cp_async_commit();
   }
   gptq::cp_async_wait<NS - 2>();
@@ -638,7 +652,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     if constexpr (kWg) gptq::fence_proxy_async_smem();  // this thread's A copies and B stores -> wgmma reads
     __syncthreads();
     const int nx = it + NS - 1;
-    if (nx < nsteps) issue((rd + NS - 1) % NS, c_begin + nx);
+    if (nx < nsteps) issue((rd + NS - 1) % NS, c_begin + nx * KT);
     gptq::cp_async_commit();
     const int rd1 = rd + 1 == NS ? 0 : rd + 1;
     if constexpr (kWg) {

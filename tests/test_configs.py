@@ -77,10 +77,10 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     tc, dec = configs.PREFILL_128, configs.DECODE
     assert configs.kernel_instance(tc, False, 4, False, 128)[1].endswith(", false>")
     _, name, smem = configs.kernel_instance(tc, False, 4, False, 128, hopper=True)
-    assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, true>"
-    # wgmma: stages rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
-    stage = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
-    assert smem == tc.stages * (-(-stage // 512) * 512) + 2 * tc.block_n * 64 + 1024
+    assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, {tc.ku}, true>"
+    # wgmma: 32-k steps rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
+    step = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
+    assert smem == tc.stages * tc.ku * (-(-step // 512) * 512) + 2 * tc.ku * tc.block_n * 64 + 1024
     # the decode kernel has no Hopper variant; its ring (DecodeStage in moe_gemm.cu) holds per stage the lane-private
     # weight words, 16 activation rows of 32*ku k, and one scale/zero set per stage (G % (32 ku) == 0) or per chunk
     assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == configs.kernel_instance(dec, True, 8, False, 128)
