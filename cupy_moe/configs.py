@@ -18,8 +18,11 @@ docs/performance.md):
   Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
-split_k: the fewest slices that give about one full wave of CTAs, each slice keeping at least 2 stages of K, at
-most 16 (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs).
+split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
+16 slices of at least 2 stages each: the fewest within 5% of the least estimate waves x (stages per slice + 2): waves = ceil(CTAs /
+resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and epilogue. Short
+slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave. Examples (decode,
+528 slots): 448 CTAs x 32 stages stay unsplit (34 against 36 for 2 slices); 64 CTAs x 112 stages split 8 ways.
 `block_m` is the align block size the layer must pass to `moe_align_block_size`.
 """
 from __future__ import annotations
@@ -48,7 +51,9 @@ MODEL_SHAPES = {
 }
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
-_TARGET_CTAS = {"reg": 4 * NUM_SMS, "tc": 2 * NUM_SMS}  # about one wave of resident CTAs
+# CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
+# with a 4-stage ring (50 KiB, 96 registers): 4; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
+RESIDENT_PER_SM = {16: 4, 64: 2, 128: 1}
 _MAX_SPLIT = 16
 
 
@@ -188,9 +193,10 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     ctas = blocks * n_tiles
     chunks = max(1, k // 32)
     max_split = max(1, min(_MAX_SPLIT, chunks // (2 * base.ku)))
-    split = 1
-    while split < max_split and ctas * split < _TARGET_CTAS.get(base.kind, 2 * NUM_SMS):
-        split += 1
+    slots = RESIDENT_PER_SM.get(base.block_m, 1) * NUM_SMS
+    stages = -(-chunks // base.ku)
+    cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
+    split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
     return replace(base, split_k=split)
 
 

@@ -23,6 +23,15 @@ def test_heuristic_block_sizes_follow_rows_per_expert():
     assert 1 < cfg.split_k <= 16  # few tiles: split-K fills the SMs
 
 
+def test_split_k_weighs_waves_against_short_slices():
+    # Mixtral-8x7B M = 1 (2 experts): gate/up 448 CTAs of 32 stages fit one wave of 528 slots: no split;
+    # down 64 CTAs of 112 stages: 8 slices fill 512 of the 528 slots
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).split_k == 1
+    assert configs.choose_config(2, 8, 1, 14336, 4096, 4, 128).split_k == 8
+    # slices keep at least 2 stages: K = 768 (6 stages of 128 k) splits at most 3 ways
+    assert configs.choose_config(1, 128, 8, 768, 2048, 4, 128).split_k <= 3
+
+
 def test_tuning_key_buckets_pairs_by_powers_of_two():
     assert configs.tuning_key(8, 4096, 28672, 4, 128, 1) == "E8_K4096_N28672_b4_G128_P1"
     assert configs.tuning_key(8, 4096, 28672, 4, 128, 5).endswith("_P8")
