@@ -6,7 +6,7 @@ docs/performance.md):
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
   (128 k) per pipeline stage; weights, activation rows, scales and zeros all come through one cp.async ring in
   shared memory, `stages - 1` stages ahead of the one computed; each lane dequantizes its own B fragments in
-  registers. Scale/zero are loaded and unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
+  registers. Scale/zero are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
   else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles, a 6-deep cp.async ring; the
   CTA dequantizes each weight once into one of two shared-memory B tiles while the tensor cores work on the
@@ -19,10 +19,11 @@ docs/performance.md):
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
-16 slices of at least 2 stages each: the fewest within 5% of the least estimate waves x (stages per slice + 2): waves = ceil(CTAs /
-resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and epilogue. Short
-slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave. Examples (decode,
-528 slots): 448 CTAs x 32 stages stay unsplit (34 against 36 for 2 slices); 64 CTAs x 112 stages split 8 ways.
+16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
+waves = ceil(CTAs / resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
+epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
+Examples (decode, 528 slots): 448 CTAs x 32 stages stay unsplit (34 against 36 for 2 slices); 64 CTAs x 112
+stages split 8 ways.
 `block_m` is the align block size the layer must pass to `moe_align_block_size`.
 """
 from __future__ import annotations
@@ -136,7 +137,8 @@ ROWS_16_MAX, ROWS_64_MAX = 24, 160  # heuristic block_m: rows per touched expert
 
 
 def hopper_enabled(arch: str) -> bool:
-    """Whether the Hopper variant of the tc kernel (wgmma) runs: on `sm_90a` unless the environment sets CUPY_MOE_HOPPER=0 (the sm_80-style kernels then run, e.g. to compare)."""
+    """Whether the Hopper variant of the tc kernel (wgmma) runs: on `sm_90a` unless the environment sets
+    CUPY_MOE_HOPPER=0 (the mma.sync variant then runs, e.g. to compare)."""
     return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 

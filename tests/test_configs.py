@@ -92,7 +92,8 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     assert smem == tc.stages * tc.ku * (-(-step // 512) * 512) + 2 * tc.ku * tc.block_n * 64 + 1024
     # the decode kernel has no Hopper variant; its ring (DecodeStage in moe_gemm.cu) holds per stage the lane-private
     # weight words, 16 activation rows of 32*ku k, and one scale/zero set per stage (G % (32 ku) == 0) or per chunk
-    assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == configs.kernel_instance(dec, True, 8, False, 128)
+    plain = configs.kernel_instance(dec, True, 8, False, 128)
+    assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == plain
     words = dec.ku * dec.ng * dec.threads * 16  # per 4 bits
     for bits, glen, sets in ((8, 128, 1), (4, 32, dec.ku), (4, 4096, 1)):
         smem = configs.kernel_instance(dec, False, bits, False, glen)[2]
