@@ -631,35 +631,39 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // ---- main loop (a step = KT chunks of 32 k): NS-1 raw steps in flight, B double-buffered, one barrier per step.
-  // Iteration `it` dequantizes
-  // step it+1 into B[(it+1)&1] while the mmas of step it read B[it&1], so the ALU and tensor work of two steps
-  // interleave in every warp. The barrier at the top of iteration it orders: raw step it+1 landed for all; B[it&1]
-  // (dequantized in iteration it-1) complete; every warp done with step it-1 (its raw slot and B[(it+1)&1]; the
-  // wgmma path waits for its step before the next barrier).
-  static_assert(NS >= 3, "one raw step ahead of the one being dequantized");
+  // ---- main loop (a step = KT chunks of 32 k): LOOK raw steps in flight, B double-buffered, one barrier per step.
+  // Iteration `it` dequantizes step it+1 into B[(it+1)&1] while the tensor cores work on step it from B[it&1]. The
+  // barrier at the top of iteration it orders: raw step it+1 landed for all; B[it&1] (dequantized in iteration it-1)
+  // complete; every warp done with the raw slot refilled next.
+  // mma.sync: LOOK = NS-1 (the slot refilled is step it-1's, done by then).
+  // wgmma: the warpgroup's step-it group stays in flight across the next barrier (wait_group 1 after issuing it
+  // only waits for step it-1), so the tensor cores never drain between steps; hence LOOK = NS-2 (step it-1's A may
+  // still be read when iteration it refills a slot: it refills step it-2's). With BM 128 both warpgroups read all
+  // of B, so a second barrier makes sure neither still reads B[(it+1)&1] (step it-1) when it is rewritten.
+  constexpr int LOOK = kWg ? NS - 2 : NS - 1;
+  static_assert(LOOK >= 2, "raw step it+1 must be in flight while step it is dequantized");
 #pragma unroll
-  for (int s = 0; s < NS - 1; ++s) {
+  for (int s = 0; s < LOOK; ++s) {
     if (s < nsteps) issue(s, c_begin + s * KT);
     gptq::cp_async_commit();
   }
-  gptq::cp_async_wait<NS - 2>();
+  gptq::cp_async_wait<LOOK - 1>();
   __syncthreads();
   if (nsteps > 0 && !(kProbe & 2)) dequant(0, 0);
   int rd = 0;  // raw slot of step it
   for (int it = 0; it < nsteps; ++it) {
-    gptq::cp_async_wait<NS - 3>();
+    gptq::cp_async_wait<LOOK - 2>();
     if constexpr (kWg) gptq::fence_proxy_async_smem();  // this thread's A copies and B stores -> wgmma reads
     __syncthreads();
-    const int nx = it + NS - 1;
-    if (nx < nsteps) issue((rd + NS - 1) % NS, c_begin + nx * KT);
+    const int nx = it + LOOK;
+    if (nx < nsteps) issue(rd + LOOK < NS ? rd + LOOK : rd + LOOK - NS, c_begin + nx * KT);
     gptq::cp_async_commit();
     const int rd1 = rd + 1 == NS ? 0 : rd + 1;
     if constexpr (kWg) {
       if (!(kProbe & 4)) wg_issue(rd, it & 1);
+      gptq::wg_wait<1>();  // this warpgroup's step it-1 is done
+      if constexpr (BM == 128) __syncthreads();
       if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
-      gptq::wg_wait<0>();
-      gptq::wg_fence_operands(acc[0]);
     } else {
       if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
       if (!(kProbe & 4)) mma_step(rd, it & 1);
@@ -667,6 +671,10 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     rd = rd1;
   }
   gptq::cp_async_wait<0>();
+  if constexpr (kWg) {
+    gptq::wg_wait<0>();
+    gptq::wg_fence_operands(acc[0]);
+  }
 
   // ---- epilogue: lane holds rows g, g+8 of each m16 tile x columns 2t, 2t+1 of each n8 tile
   int pair_of[MTL][2], slot_of[MTL][2];
