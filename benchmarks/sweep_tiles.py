@@ -28,7 +28,7 @@ TC = lambda bm, bn, st=4, ku=1: GemmConfig(*_TC_WARPS[bm, bn], ku=ku, stages=st,
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX = the most rows per touched expert that
 # still run block_m 64)
 PREFILL = [(TC(64, 256, 6), TC(128, 256, 6), 160), (TC(64, 256, 6), TC(128, 256, 4, 2), 160),
-           (TC(64, 256, 3, 2), TC(128, 256, 3, 2), 160)]
+           (TC(64, 256, 4), TC(128, 256, 4), 160)]
 DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 64), ("Qwen3-30B-A3B", "down", 16),
                ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1)]
 PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024), ("Qwen3-30B-A3B", "gate_up", 4096),
