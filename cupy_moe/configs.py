@@ -117,7 +117,7 @@ class GemmConfig:
         if self.kind != "tc":
             sets = {0: self.ku, 1: 1, 2: 0}[self.group_mode(act_order, group_len)]
             stage = (self.ku * self.ng * bits // 4 * self.threads * 16 + self.block_m * self.ku * 64
-                     + sets * bn * (2 + bits // 8))
+                     + sets * bn * (16 + bits) // 8)
             return self.stages * stage
         step = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
         if hopper:

@@ -97,7 +97,9 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     words = dec.ku * dec.ng * dec.threads * 16  # per 4 bits
     for bits, glen, sets in ((8, 128, 1), (4, 32, dec.ku), (4, 4096, 1)):
         smem = configs.kernel_instance(dec, False, bits, False, glen)[2]
-        assert smem == dec.stages * (words * bits // 4 + 16 * dec.ku * 64 + sets * dec.block_n * (2 + bits // 8))
+        assert smem == dec.stages * (words * bits // 4 + 16 * dec.ku * 64 + sets * dec.block_n * (16 + bits) // 8)
+    # 16 x 128, 4 chunks a stage, 4-bit, G 128: weights 8 KiB + activations 4 KiB + scales 256 B + zeros 64 B a stage
+    assert configs.GemmConfig(1, 1, 4, 1, 4, 4).smem_bytes(4, False, False, 128) == 4 * (8192 + 4096 + 256 + 64)
     # act-order at a tc block size falls back to moe_gemm (no wgmma variant; scales gathered, not in the ring)
     cfg, name, smem = configs.kernel_instance(tc, False, 4, True, 128, hopper=True)
     assert name.startswith("moe_gemm<") and name.endswith(", 2>")
