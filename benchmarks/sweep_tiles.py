@@ -20,9 +20,8 @@ from cupy_moe import configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
 # decode (block_m 16, moe_gemm): (mt, warps_m, warps_n, ng, ku, stages). Per stage a CTA reads 32*ku/8 qweight
-# rows x 32*warps_n*ng columns (16 rows x 512 B by default) and 16 activation rows of 32*ku k; stages - 1 in flight.
-DECODE = [GemmConfig(1, 1, 4, 1, 4, 4), GemmConfig(1, 1, 4, 1, 4, 3), GemmConfig(1, 1, 4, 1, 4, 6),
-          GemmConfig(1, 1, 4, 1, 8, 3), GemmConfig(1, 1, 8, 1, 4, 4)]
+# rows x 32*warps_n*ng columns (16 rows x 512 B by default); stages - 1 in flight (static shared memory: 48 KiB).
+DECODE = [GemmConfig(1, 1, 4, 1, 4, 2), GemmConfig(1, 1, 4, 1, 4, 3), GemmConfig(1, 1, 8, 1, 4, 2)]
 _TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2, 4, 2), (128, 256): (4, 2, 4, 2)}
 TC = lambda bm, bn, st=4, ku=1: GemmConfig(*_TC_WARPS[bm, bn], ku=ku, stages=st, kind="tc")  # ku: 32-k steps/stage
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX = the most rows per touched expert that

@@ -4,26 +4,29 @@ Two kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.
 docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
-  (128 k) per pipeline stage; weights, activation rows, scales and zeros all come through one cp.async ring in
-  shared memory, `stages - 1` stages ahead of the one computed; each lane dequantizes its own B fragments in
-  registers. Scale/zero are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1),
-  else once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
-- `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles, a 6-deep cp.async ring; the
-  CTA dequantizes each weight once into one of two shared-memory B tiles while the tensor cores work on the
-  previous 32-k step from the other (wgmma on sm_90a, issued asynchronously; ldmatrix + mma.sync elsewhere). The
-  tiles are 256 wide: the gathered activation rows are re-read from L2 once per column tile, and 256 columns halve
-  that traffic. Measured on the H200 (benchmarks/sweep_tiles.py, 2026-12-03): with wgmma, 128 x 256 and 6 stages
-  beat 128 x 128 and 4 stages by 9% on Mixtral-8x7B gate/up M=4096 and tied on the other sweep rows; ROWS_64_MAX 64
-  instead of 160 changed nothing measurable. (With mma.sync, 2026-12-02, 128 x 256 was not faster than 128 x 128.)
-  Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes below instead.
+  (128 k) per pipeline stage, a lane-private cp.async weight ring (`stages - 1` stages in flight; activations,
+  scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
+  are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
+  (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. (Measured 2026-12-03:
+  carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was no faster at M = 1 and
+  up to 15% slower at M = 16-64, at any depth from 3 to 6 stages.)
+- `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
+  `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
+  cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
+  the next barrier; ldmatrix + mma.sync elsewhere). The tiles are 256 wide: the gathered activation rows are re-read
+  from L2 once per column tile, and 256 columns halve that traffic. Measured on the H200 (benchmarks/sweep_tiles.py,
+  2026-12-03 09:50 UTC): 128 x 256 with 4 stages of 64 k beat 6 stages of 32 k by 9-11% (Mixtral-8x7B gate/up
+  M = 4096 5839 against 6532 us; Qwen3-30B-A3B gate/up M = 4096 801 against 885 us); the 64 x 256 tile keeps 6
+  stages of 32 k (two CTAs per SM). Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes
+  below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
 16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
 waves = ceil(CTAs / resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
 epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
-Examples (decode, 528 slots): 448 CTAs x 32 stages stay unsplit (34 against 36 for 2 slices); 64 CTAs x 112
-stages split 8 ways.
+Examples (decode, 396 slots): 448 CTAs x 32 stages split 3 ways (estimate 52; unsplit 68: a second wave of 52
+CTAs; 4 ways 50); 64 CTAs x 112 stages split 6 ways.
 `block_m` is the align block size the layer must pass to `moe_align_block_size`.
 """
 from __future__ import annotations
@@ -53,8 +56,8 @@ MODEL_SHAPES = {
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
-# with a 4-stage ring (50 KiB, 96 registers): 4; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
-RESIDENT_PER_SM = {16: 4, 64: 2, 128: 1}
+# (about 150 registers): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
+RESIDENT_PER_SM = {16: 3, 64: 2, 128: 1}
 _MAX_SPLIT = 16
 
 
@@ -106,28 +109,23 @@ class GemmConfig:
                 f"{self.stages}, {self.group_mode(act_order, group_len)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False, act_order: bool = False, group_len: int | None = None) -> int:
-        """Dynamic shared memory of one launch (must match DecodeStage / TcSmem in moe_gemm.cu).
+        """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
 
-        moe_gemm: per stage the lane-private weight words, the activation rows, and the scale and zero words of
-        its groups (one set per stage in group mode 1, one per 32-k chunk in mode 0, none with act-order).
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
         two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
         base."""
         bn = self.block_n
         if self.kind != "tc":
-            sets = {0: self.ku, 1: 1, 2: 0}[self.group_mode(act_order, group_len)]
-            stage = (self.ku * self.ng * bits // 4 * self.threads * 16 + self.block_m * self.ku * 64
-                     + sets * bn * (16 + bits) // 8)
-            return self.stages * stage
+            return 0
         step = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
         if hopper:
             step = -(-step // 512) * 512
         return self.stages * self.ku * step + 2 * self.ku * bn * 64 + (1024 if hopper else 0)
 
 
-DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=4)
+DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
-PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")  # 128 x 256
+PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
 KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL, PREFILL_128.block_m: PREFILL_128}
 # act-order weights at the tc block sizes: moe_gemm shapes of the same block_m
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),

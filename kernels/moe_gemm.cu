@@ -36,31 +36,8 @@ constexpr int kProbe = CUPY_MOE_PROBE;
 
 // GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
 // launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
-// per stage; 2 = act-order (g_idx: every k has its own group; scales and zeros are gathered from global memory).
-//
-// One pipeline stage = KU chunks of 32 k. Everything a stage reads comes through one ring of NS stages in dynamic
-// shared memory, filled by cp.async NS-1 stages ahead, so that no global load latency sits on the K loop's critical
-// path (a stage used to wait for its activations and scales, loaded into registers only one stage ahead: one
-// memory latency per stage). Stage layout (bytes, each part a multiple of 16):
-//   W  weights, lane-private [u][ng][r][thread] uint4: each lane copies the 16 bytes it reads itself (a warp's
-//      request covers 512 contiguous bytes of one qweight row);
-//   A  activation rows [row][KU*32 k], 16-byte chunk c of row r stored at c ^ 4*(r & 1) (KU >= 2), so the 8 lanes
-//      of a shared-memory phase (rows g, g+1; chunks 4u+t) hit 8 different bank quads;
-//   S  scales [set][BLOCK_N] fp16, Z zero words [set][BLOCK_N*bits/32]: KS sets (one per stage in mode 1, one per
-//      chunk in mode 0, none with act-order).
-// One CTA barrier per stage: A, S and Z are copied by other threads than the ones reading them, and it also frees
-// the slot refilled next.
-template <int BLOCK_M, int BLOCK_N, int THREADS, int NG, int KU, int kBits, int GM>
-struct DecodeStage {
-  static constexpr int KS = GM == 1 ? 1 : GM == 0 ? KU : 0;
-  static constexpr int kW = KU * NG * (kBits / 4) * THREADS * 16;
-  static constexpr int kA = BLOCK_M * KU * 64;
-  static constexpr int kS = KS * BLOCK_N * 2;
-  static constexpr int kZ = KS * BLOCK_N * kBits / 8;
-  static constexpr int kBytes = kW + kA + kS + kZ;
-};
-
-template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int NS, int GM>
+// per stage; 2 = act-order (g_idx: every k has its own group).
+template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM>
 __global__ void __launch_bounds__(WM * WN * 32)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          const int* __restrict__ qweight,             // [E, K*bits/32, N]
@@ -78,44 +55,37 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          int split_k, int chunks_per_split) {
   constexpr int BLOCK_M = WM * MT * 16;
   constexpr int BLOCK_N = WN * NG * 32;
-  constexpr int THREADS = WM * WN * 32;
   constexpr int WPR = kBits / 4;  // qweight words per lane per column per 32-k chunk
   constexpr bool kActOrder = GM == 2;
-  using L = DecodeStage<BLOCK_M, BLOCK_N, THREADS, NG, KU, kBits, GM>;
-  static_assert(NS >= 2, "ring depth");
-  extern __shared__ uint4 smem_dyn[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
-
+  constexpr int KS = GM == 1 ? 1 : KU;  // scale/zero sets per stage
   const int blk = blockIdx.x;
   if (blk * BLOCK_M >= __ldg(post_padded)) return;  // past the padded total: nothing to do
   const int expert = __ldg(expert_ids + blk);
   if (expert < 0) return;
-  {
-    unsigned dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < static_cast<unsigned>(NS * L::kBytes)) __trap();  // launcher / kernel layout mismatch
-  }
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane >> 2, t = lane & 3;
 
   // rows of this lane: (mt, h) -> block row (wm*MT + mt)*16 + g + 8h
+  const unsigned short* a_row[MT][2];
   int pair_of[MT][2];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int p = __ldg(sorted + blk * BLOCK_M + (wm * MT + mt) * 16 + g + 8 * h);
-      pair_of[mt][h] = p >= 0 && p < num_pairs ? p : -1;  // padding rows hold the sentinel P
+      const int slot = blk * BLOCK_M + (wm * MT + mt) * 16 + g + 8 * h;
+      const int p = __ldg(sorted + slot);
+      const bool valid = p >= 0 && p < num_pairs;  // padding rows hold the sentinel P
+      pair_of[mt][h] = valid ? p : -1;
+      a_row[mt][h] = valid ? a + static_cast<long long>(p / top_k) * K + 8 * t : nullptr;
     }
 
-  const int n_base = blockIdx.y * BLOCK_N;
   int n0[NG];
   bool n_ok[NG];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) {
-    n0[ng] = n_base + (wn * NG + ng) * 32;
+    n0[ng] = blockIdx.y * BLOCK_N + (wn * NG + ng) * 32;
     n_ok[ng] = n0[ng] < N;  // N % 32 == 0, so a group is all in or all out
   }
 
@@ -142,73 +112,83 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
 
-  // ---- copy assignments (fixed per thread). A: chunk q = tid + i*THREADS is row q / (4KU), chunk q % (4KU).
-  constexpr int A_ROW = 4 * KU, A_CHUNKS = BLOCK_M * A_ROW, A_PER = (A_CHUNKS + THREADS - 1) / THREADS;
-  auto a_swz = [](int row, int c) { return KU >= 2 ? c ^ ((row & 1) << 2) : c; };
-  const unsigned short* a_src[A_PER];
-  int a_dst[A_PER];
-#pragma unroll
-  for (int i = 0; i < A_PER; ++i) {
-    const int q = tid + i * THREADS, row = q / A_ROW, c = q % A_ROW;
-    const int p = q < A_CHUNKS ? __ldg(sorted + blk * BLOCK_M + row) : -1;
-    a_src[i] = p >= 0 && p < num_pairs ? a + static_cast<long long>(p / top_k) * K + 8 * c : nullptr;
-    a_dst[i] = q < A_CHUNKS ? L::kW + row * A_ROW * 16 + a_swz(row, c) * 16 : -1;
-  }
-  // S/Z: 16-byte chunks q = tid, tid + THREADS, ..: the KS*SC scale chunks, then the KS*ZC zero-word chunks
-  constexpr int SC = BLOCK_N / 8, ZC = BLOCK_N * kBits / 128, SZ = L::KS * (SC + ZC);
-
-  auto issue = [&](int slot, int c0) {
-    unsigned char* st = smem + slot * L::kBytes;
-    uint4* w = reinterpret_cast<uint4*>(st);
+  // One stage = KU chunks of 32 k: activations, weight words, and (without act-order) scales and zeros.
+  // Weights: a ring of stages in shared memory, so that many stages stay in flight at no register cost.
+  // Each lane copies (cp.async) the 16 bytes it will read itself, so no barrier is needed; slot layout
+  // [stage][word][lane]: a warp touches 512 contiguous bytes.
+  constexpr int THREADS = WM * WN * 32;
+  constexpr int WORDS = KU * NG * WPR;
+  // ring depth under the 48 KiB static shared-memory limit: 8-bit stages hold twice the bytes, so half as many (at
+  // least 2, so loads overlap compute) keep the bytes in flight.
+  constexpr int NST = kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
+  static_assert(NST >= 2, "ring depth");
+  __shared__ uint4 ring[NST * WORDS * THREADS];
+  auto ring_slot = [&](int stage, int u, int ng, int r) -> const uint4* {
+    return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x;
+  };
+  auto issue_weights = [&](int stage, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int c = c0 + u;
-      if (c >= c_end) break;
+      const int k0 = c * 32;
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
-        if (!n_ok[ng] || (kProbe & 1)) continue;
+        const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
 #pragma unroll
-        for (int r = 0; r < WPR; ++r)
-          gptq::cp_async16(w + ((u * NG + ng) * WPR + r) * THREADS + tid,
-                           qw_e + static_cast<long long>(c * 4 * WPR + WPR * t + r) * N + n0[ng] + 4 * g, true);
+        for (int r = 0; r < WPR; ++r) {
+          const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
+                              : qw_e;
+          gptq::cp_async16(ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x, src, ok);
+        }
       }
-    }
-#pragma unroll
-    for (int i = 0; i < A_PER; ++i) {
-      if (a_dst[i] < 0 || c0 + (tid + i * THREADS) % A_ROW / 4 >= c_end) continue;
-      gptq::cp_async16(st + a_dst[i], a_src[i] ? a_src[i] + c0 * 32 : a, a_src[i] != nullptr);  // padding: zeros
-    }
-#pragma unroll
-    for (int q = tid; q < SZ; q += THREADS) {
-      const bool is_s = q < L::KS * SC;
-      const int j = is_s ? q : q - L::KS * SC;
-      const int set = j / (is_s ? SC : ZC), chunk = j % (is_s ? SC : ZC), c = c0 + set;
-      const bool col_ok = is_s ? n_base + 8 * chunk < N : qz_e && n_base + chunk * 128 / kBits < N;
-      if (c >= c_end || !col_ok) continue;
-      const long long grp = c * 32 / group_len;
-      gptq::cp_async16(st + L::kW + L::kA + (is_s ? 0 : L::kS) + j * 16,
-                       is_s ? static_cast<const void*>(sc_e + grp * N + n_base + 8 * chunk)
-                            : static_cast<const void*>(qz_e + grp * zwords + n_base * kBits / 32 + 4 * chunk),
-                       true);
     }
     gptq::cp_async_commit();
   };
 
-  // per-(set, ng, col) dequantization constants from the stage's scale/zero words
-  auto unpack = [&](const unsigned char* st, int set, int ng, int col) -> gptq::GroupConst {
-    const int cb = (wn * NG + ng) * 32 + 4 * g;  // this lane's first column, relative to the tile
-    const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kW + L::kA)[set * BLOCK_N + cb + col];
-    int zc = kSymZero;
-    if (qz_e) {
-      const u32 zw = reinterpret_cast<const u32*>(st + L::kW + L::kA + L::kS)[(set * BLOCK_N + cb) * kBits / 32];
-      zc = kBits == 4 ? (zw >> (16 * (g & 1) + 4 * col)) & 15u : (zw >> (8 * col)) & 255u;
+  // Activations, scales and zeros: registers, one stage ahead.
+  struct Stage {
+    uint4 x[KU][MT][2];
+    uint2 s[KS][NG];
+    u32 z[KS][NG];
+  };
+  auto load = [&](Stage& st, int c0) {
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      const int c = c0 + u;
+      const bool in = c < c_end;
+      const int k0 = c * 32;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          st.x[u][mt][h] = (in && a_row[mt][h]) ? __ldg(reinterpret_cast<const uint4*>(a_row[mt][h] + k0))
+                                                : make_uint4(0, 0, 0, 0);
+      const int grp = k0 / group_len;
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        const bool ok = in && n_ok[ng];
+        if constexpr (!kActOrder) {
+          if (u >= KS) continue;
+          st.s[u][ng] = ok ? __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 4 * g))
+                           : make_uint2(0, 0);
+          st.z[u][ng] = (ok && qz_e) ? static_cast<u32>(__ldg(qz_e + static_cast<long long>(grp) * zwords +
+                                                                  (n0[ng] + 4 * g) * kBits / 32))
+                                     : 0u;
+        }
+      }
     }
+  };
+
+  // per-(set, ng, col) dequantization constants, built from the stage's scale/zero words
+  auto unpack = [&](const Stage& st, int u, int ng, int col) -> gptq::GroupConst {
+    const u32 sw = col < 2 ? st.s[u][ng].x : st.s[u][ng].y;
+    const unsigned short sb = static_cast<unsigned short>(sw >> (16 * (col & 1)));
+    int zc = kSymZero;
+    if (qz_e) zc = kBits == 4 ? (st.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (st.z[u][ng] >> (8 * col)) & 255u;
     return gptq::group_const<kBf16>(sb, zc);
   };
 
-  auto compute = [&](int slot, int c0) {
-    const unsigned char* st = smem + slot * L::kBytes;
-    const uint4* w = reinterpret_cast<const uint4*>(st);
+  auto compute = [&](const Stage& st, int stage, int c0) {
     gptq::GroupConst gcs[NG][4];
     if constexpr (GM == 1) {  // once per stage: every chunk of the stage is in the same group
 #pragma unroll
@@ -223,15 +203,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       const int k0 = c * 32;
       u32 a0[MT][4], a1[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        uint4 x[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = (wm * MT + mt) * 16 + g + 8 * h;
-          x[h] = *reinterpret_cast<const uint4*>(st + L::kW + row * A_ROW * 16 + a_swz(row, 4 * u + t) * 16);
-        }
-        gptq::a_operands<kBits>(x[0], x[1], a0[mt], a1[mt]);
-      }
+      for (int mt = 0; mt < MT; ++mt) gptq::a_operands<kBits>(st.x[u][mt][0], st.x[u][mt][1], a0[mt], a1[mt]);
       // act-order: each of the lane's 8 k has its own group
       int gk[8];
       if constexpr (kActOrder) {
@@ -266,14 +238,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         }
         uint4 wq[WPR];
 #pragma unroll
-        for (int r = 0; r < WPR; ++r) wq[r] = w[((u * NG + ng) * WPR + r) * THREADS + tid];
+        for (int r = 0; r < WPR; ++r) wq[r] = *ring_slot(stage, u, ng, r);
 #pragma unroll
         for (int col = 0; col < 4; ++col) {
           u32 q[WPR];
 #pragma unroll
           for (int r = 0; r < WPR; ++r) {
-            const uint4 wv = wq[r];
-            q[r] = col == 0 ? wv.x : col == 1 ? wv.y : col == 2 ? wv.z : wv.w;
+            const uint4 w = wq[r];
+            q[r] = col == 0 ? w.x : col == 1 ? w.y : col == 2 ? w.z : w.w;
           }
           u32 b[4];
           if constexpr (kProbe & 2) {
@@ -298,18 +270,19 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // ---- main loop: NS-1 stages in flight while one is computed. The barrier at the top of an iteration orders:
-  // this stage's copies (from every thread) landed; every warp is done with the previous stage, whose slot is
-  // refilled right after it.
+  // Pipeline: NST-1 weight stages in flight ahead of the one computed; activations one stage ahead.
 #pragma unroll
-  for (int s = 0; s < NS - 1; ++s) issue(s, c_begin + s * KU);  // past the end: an empty group
-  int rs = 0;  // ring slot of the stage computed
+  for (int s = 0; s < NST - 1; ++s) issue_weights(s, c_begin + s * KU);
+  Stage cur, nxt;
+  load(cur, c_begin);
+  int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
-    gptq::cp_async_wait<NS - 2>();
-    __syncthreads();
-    issue(rs == 0 ? NS - 1 : rs - 1, c0 + (NS - 1) * KU);
-    compute(rs, c0);
-    rs = rs + 1 == NS ? 0 : rs + 1;
+    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-filled
+    if (c0 + KU < c_end) load(nxt, c0 + KU);
+    gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
+    compute(cur, stage, c0);
+    cur = nxt;
+    stage = (stage + 1) % NST;
   }
   gptq::cp_async_wait<0>();
 

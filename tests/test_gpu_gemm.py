@@ -115,12 +115,12 @@ def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper,
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
 def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeypatch):
-    """The decode kernel's cp.async ring at 2 to 8 stages of 1 to 8 K chunks, and 8 warps: long K (the ring
-    wraps), split-K, a partial last stage and column tile, one or several experts."""
+    """The decode kernel's cp.async weight ring at 2 to 8 stages of 1 to 4 K chunks (8-bit: half the depth): long
+    K (the ring wraps), split-K, a partial last stage and column tile, one or several experts."""
     from dataclasses import replace
     rng = np.random.default_rng(bits + 2 * sym + 4 * act_order)
-    for stages, ku, warps_n in ((2, 4, 4), (5, 4, 4), (8, 2, 4), (3, 8, 4), (4, 1, 4), (3, 4, 8)):
-        cfg = replace(configs.DECODE, stages=stages, ku=ku, warps_n=warps_n)
+    for stages, ku in ((2, 4), (5, 4), (8, 2), (4, 1)):
+        cfg = replace(configs.DECODE, stages=stages, ku=ku)
         monkeypatch.setitem(configs.KERNEL_SHAPES, 16, cfg)
         monkeypatch.setattr(configs, "DECODE", cfg)
         for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96)):
