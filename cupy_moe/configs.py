@@ -8,8 +8,8 @@ docs/performance.md):
   scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
   are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
   (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. (Measured 2026-12-03:
-  carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was no faster at M = 1 and
-  up to 15% slower at M = 16-64, at any depth from 3 to 6 stages.)
+  carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower on the
+  geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
   `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
   cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
