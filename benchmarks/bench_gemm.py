@@ -180,7 +180,7 @@ def tile_spec(cfg):
 def use_tile(cfg):
     """Make `cfg` the kernel shape of its block_m (what choose_config and the launcher use)."""
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
-    name = {16: "DECODE", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
+    name = {16: "DECODE", 32: "DECODE_32", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
     setattr(configs, name, cfg)
 
 

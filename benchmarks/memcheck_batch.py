@@ -7,7 +7,7 @@ for i in range(6):
     case = dict(e=int(rng.choice([1, 8, 60])), m=int(rng.choice([0, 1, 17, 70])), a=1, k=int(rng.choice([64, 256])),
                 n=int(rng.choice([32, 96])), bits=int(rng.choice([4, 8])), group_size=int(rng.choice([32, 64, -1])),
                 sym=bool(i % 2), act_order=bool(i % 3 == 0), dtype_name="float16", routed=bool(i % 2),
-                kind="uniform", block_m=[16, 64, 128][i % 3])
+                kind="uniform", block_m=[16, 32, 64, 128][i % 4])
     case["a"] = int(min(case["e"], 1 + i % 3))
     t.run_case(rng, **case)
 import cupy as cp

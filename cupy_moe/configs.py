@@ -20,7 +20,9 @@ docs/performance.md):
   stages of 32 k (two CTAs per SM). Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes
   below instead.
 
-Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 24 -> 16, r <= 160 -> 64, else 128.
+Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
+two m16 tiles: an expert with 17-32 rows reads and dequantizes its weights once instead of twice), r <= 160 -> 64,
+else 128.
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
 16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
 waves = ceil(CTAs / resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
@@ -56,8 +58,8 @@ MODEL_SHAPES = {
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
-# (about 150 registers): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
-RESIDENT_PER_SM = {16: 3, 64: 2, 128: 1}
+# (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
+RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 _MAX_SPLIT = 16
 
 
@@ -124,14 +126,16 @@ class GemmConfig:
 
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
+DECODE_32 = GemmConfig(mt=2, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # two m16 tiles share each dequantized weight
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
-KERNEL_SHAPES = {DECODE.block_m: DECODE, PREFILL.block_m: PREFILL, PREFILL_128.block_m: PREFILL_128}
+KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)}
 # act-order weights at the tc block sizes: moe_gemm shapes of the same block_m
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
-ROWS_16_MAX, ROWS_64_MAX = 24, 160  # heuristic block_m: rows per touched expert <= 24 -> 16, <= 160 -> 64, else 128
+# heuristic block_m: rows per touched expert <= 10 -> 16, <= 24 -> 32, <= 160 -> 64, else 128
+ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 10, 24, 160
 
 
 def hopper_enabled(arch: str) -> bool:
@@ -183,7 +187,8 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     touched = min(e, pairs)
     rows = pairs / touched
     if block_m is None:
-        base = DECODE if rows <= ROWS_16_MAX else PREFILL if rows <= ROWS_64_MAX else PREFILL_128
+        base = (DECODE if rows <= ROWS_16_MAX else DECODE_32 if rows <= ROWS_32_MAX else
+                PREFILL if rows <= ROWS_64_MAX else PREFILL_128)
     elif block_m in KERNEL_SHAPES:
         base = KERNEL_SHAPES[block_m]
     else:

@@ -106,9 +106,12 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 (block_m, split), best = min(timings.items(), key=lambda kv: kv[1])
                 base = timings[heuristic.block_m, heuristic.split_k]
                 found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
+                per_block = {}  # the fastest split of each block_m
+                for (bm, sk), t in sorted(timings.items(), key=lambda kv: kv[1]):
+                    per_block.setdefault(bm, f"{bm}: {t * 1e6:.1f} (S={sk})")
                 log(f"{model:18s} {phase:7s} M={m:5d}  best block_m={block_m:3d} split_k={split:2d} "
                     f"{best * 1e6:9.1f} us; the heuristic's ({heuristic.block_m}, {heuristic.split_k}) "
-                    f"{base * 1e6:9.1f} us")
+                    f"{base * 1e6:9.1f} us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
             cp.get_default_memory_pool().free_all_blocks()
     if save and found:
         log(f"saved {len(found)} configurations for {gpu} to {configs.save_tuned(gpu, found)}")

@@ -17,6 +17,7 @@ def fake_gpu(tmp_path, monkeypatch):
 
 def test_heuristic_block_sizes_follow_rows_per_expert():
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_m == 16
+    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).block_m == 32       # 16 rows per expert
     assert configs.choose_config(400, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 100 rows per expert
     assert configs.choose_config(4096, 8, 2, 4096, 28672, 4, 128).block_m == 128    # 1024 rows per expert
     cfg = configs.choose_config(1, 8, 2, 4096, 4096, 4, 128)

@@ -79,7 +79,7 @@ def cases(draw):
     return dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=group_size, sym=draw(st.booleans()),
                 act_order=draw(st.booleans()), dtype_name=draw(st.sampled_from(["float16", "bfloat16"])),
                 routed=draw(st.booleans()), kind=draw(st.sampled_from(["uniform", "one", "few"])),
-                block_m=draw(st.sampled_from([None, 16, 64, 128])), seed=draw(st.integers(0, 2**31)))
+                block_m=draw(st.sampled_from([None, 16, 32, 64, 128])), seed=draw(st.integers(0, 2**31)))
 
 
 @given(cases())
