@@ -128,6 +128,18 @@ def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeyp
                      dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
 
 
+@pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
+    (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
+    (4, False, True, "float16", 64)])
+def test_gemm_block_32(bits, sym, act_order, dtype_name, gs):
+    """The 32-row decode shape (two m16 tiles per CTA): experts with 17-32 rows, partial blocks, split-K, a partial
+    last column tile."""
+    rng = np.random.default_rng(32 + bits + 2 * sym + 4 * act_order)
+    for e, m, a, k, n in ((4, 40, 2, 2048, 160), (8, 64, 2, 1408, 288), (2, 9, 1, 768, 96)):
+        run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
+                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=32)
+
+
 def test_gemm_deterministic_prefill():
     rng = np.random.default_rng(5)
     e, m, a, k, n = 2, 130, 1, 4096, 128  # tc kernel, few CTAs: split-K active
