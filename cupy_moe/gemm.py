@@ -54,7 +54,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         qzeros int32 [E, ceil(K/G), N*bits/32] real zeros or None (symmetric), g_idx int32 [E, K] or None;
         bits 4 or 8; group_size G in {-1 or a multiple of 32}.
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
-        `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 64 or 128;
+        `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 32, 64 or 128;
         `configs.choose_config(...).block_m` says which to use). Never read on the host.
     top_k: pairs per row of a (A for gate/up, 1 for down); P = M * top_k.
     topk_weights: float32 [M, top_k] or [P], or None: multiplies each row in fp32 before the single rounding.
