@@ -610,9 +610,10 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   // complete; every warp done with the raw slot refilled next.
   // mma.sync: LOOK = NS-1 (the slot refilled is step it-1's, done by then).
   // wgmma: the warpgroup's step-it group stays in flight across the next barrier (wait_group 1 after issuing it
-  // only waits for step it-1), so the tensor cores never drain between steps; hence LOOK = NS-2 (step it-1's A may
-  // still be read when iteration it refills a slot: it refills step it-2's). With BM 128 both warpgroups read all
-  // of B, so a second barrier makes sure neither still reads B[(it+1)&1] (step it-1) when it is rewritten.
+  // only waits for step it-1), so the tensor cores need not drain between steps; hence LOOK = NS-2 (step it-1's A
+  // may still be read when iteration it refills a slot: it refills step it-2's). Unless each warpgroup reads only
+  // the B columns its own threads dequantize (BM 64 x BN 256: thread t writes column t, warpgroup i reads columns
+  // 128i..), a second barrier makes sure no warpgroup still reads B[(it+1)&1] (step it-1) when it is rewritten.
   constexpr int LOOK = kWg ? NS - 2 : NS - 1;
   static_assert(LOOK >= 2, "raw step it+1 must be in flight while step it is dequantized");
 #pragma unroll
@@ -635,7 +636,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     if constexpr (kWg) {
       if (!(kProbe & 4)) wg_issue(rd, it & 1);
       gptq::wg_wait<1>();  // this warpgroup's step it-1 is done
-      if constexpr (BM == 128) __syncthreads();
+      if constexpr (!(BM == 64 && BN == 256)) __syncthreads();
       if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
     } else {
       if (it + 1 < nsteps && !(kProbe & 2)) dequant(rd1, (it + 1) & 1);
