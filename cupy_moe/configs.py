@@ -69,8 +69,8 @@ class GemmConfig:
     """Template parameters of one `moe_gemm` instance plus the run-time split-K factor.
 
     block_m = warps_m * mt * 16 rows of one expert per CTA (= the align block size B);
-    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage; stages =
-    depth of the cp.async ring (stages - 1 stages in flight while one computes).
+    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage; stages = depth of the
+    cp.async ring (stages - 1 stages in flight while one computes).
     """
     mt: int
     warps_m: int
@@ -111,7 +111,7 @@ class GemmConfig:
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
                 f"{self.stages}, {self.group_mode(act_order, group_len)}>")
 
-    def smem_bytes(self, bits: int, hopper: bool = False, act_order: bool = False, group_len: int | None = None) -> int:
+    def smem_bytes(self, bits: int, hopper: bool = False) -> int:
         """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
 
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
@@ -153,8 +153,7 @@ def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, gro
     """
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
-    return (cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper),
-            cfg.smem_bytes(bits, hopper, act_order, group_len))
+    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper), cfg.smem_bytes(bits, hopper)
 
 
 def all_name_expressions(arch: str = "sm_80") -> list[str]:
