@@ -153,9 +153,6 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
                 baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
 
 
-_KINDS = {"reg": dict(), "tc": dict(kind="tc")}  # tile spec prefix -> GemmConfig fields
-
-
 def parse_tiles(spec):
     """'16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
     with kind reg (moe_gemm, the default) or tc (moe_gemm_tc); block_m is checked."""
@@ -163,9 +160,10 @@ def parse_tiles(spec):
     for item in filter(None, spec.split(";")):
         key, val = item.split("=")
         kind, _, val = val.rpartition(":")
-        if kind not in ("", *_KINDS):
-            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of {sorted(_KINDS)}")
-        cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), **_KINDS[kind or "reg"])
+        kind = kind or "reg"
+        if kind not in ("reg", "tc"):
+            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of ['reg', 'tc']")
+        cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), kind=kind)
         if cfg.block_m != int(key):
             raise ValueError(f"--tiles: {item!r} has block_m {cfg.block_m}, not {key}")
         out.append(cfg)

@@ -9,7 +9,7 @@ Nothing here touches CuPy or a GPU at import time, so `import cupy_moe` works an
 - `compile_for_arch(filename, name_expressions, arch)` compiles without a GPU (NVRTC only) and returns the
   compiler log with the ptxas resource report; the CPU test uses it to catch compile errors and spills.
 
-On compute capability 9.0 the target is `sm_90a` so that Hopper-only instructions (wgmma, bulk copies) are usable.
+On compute capability 9.0 the target is `sm_90a` so that Hopper-only instructions (wgmma) are usable.
 """
 from __future__ import annotations
 

@@ -161,10 +161,9 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
     on sm_90a both the Hopper and the sm_80-style variants."""
     names = []
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
-        shapes = list(KERNEL_SHAPES.values())
         for bf16 in (False, True):
             for bits in (4, 8):
-                for cfg in shapes:
+                for cfg in KERNEL_SHAPES.values():
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
                         names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))

@@ -123,7 +123,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int NST = kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
   static_assert(NST >= 2, "ring depth");
   __shared__ uint4 ring[NST * WORDS * THREADS];
-  auto ring_slot = [&](int stage, int u, int ng, int r) -> const uint4* {
+  auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* {
     return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x;
   };
   auto issue_weights = [&](int stage, int c0) {
@@ -138,7 +138,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         for (int r = 0; r < WPR; ++r) {
           const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
                               : qw_e;
-          gptq::cp_async16(ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x, src, ok);
+          gptq::cp_async16(ring_slot(stage, u, ng, r), src, ok);
         }
       }
     }
