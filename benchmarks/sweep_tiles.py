@@ -19,17 +19,23 @@ import bench_gemm as bg  # noqa: E402
 from cupy_moe import configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
-# decode (block_m 16, moe_gemm): (mt, warps_m, warps_n, ng, ku, stages). Per stage a CTA reads 32*ku/8 qweight
-# rows x 32*warps_n*ng columns (16 rows x 512 B by default); stages - 1 in flight (static shared memory: 48 KiB).
-DECODE = [GemmConfig(1, 1, 4, 1, 4, 2), GemmConfig(1, 1, 4, 1, 4, 3), GemmConfig(1, 1, 8, 1, 4, 2)]
+# decode (moe_gemm): pairs of (block_m 16, block_m 32) shapes (mt, warps_m, warps_n, ng, ku, stages). Per stage a
+# CTA reads 32*ku/8 qweight rows x 32*warps_n*ng columns (16 rows x 512 B at ku 4) plus their scales and zeros;
+# stages - 1 in flight (static shared memory: 48 KiB, so 8-bit rings are shallower).
+DEC = lambda mt, ku, st: GemmConfig(mt, 1, 4, 1, ku, st)
+DECODE = [(DEC(1, 4, 2), DEC(2, 2, 4)), (DEC(1, 4, 3), DEC(2, 2, 6)), (DEC(1, 4, 4), DEC(2, 2, 8)),
+          (DEC(1, 2, 6), DEC(2, 2, 6))]
 _TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2, 4, 2), (128, 256): (4, 2, 4, 2)}
 TC = lambda bm, bn, st=4, ku=1: GemmConfig(*_TC_WARPS[bm, bn], ku=ku, stages=st, kind="tc")  # ku: 32-k steps/stage
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX = the most rows per touched expert that
 # still run block_m 64)
-PREFILL = [(TC(64, 256, 6), TC(128, 256, 6), 160), (TC(64, 256, 6), TC(128, 256, 4, 2), 160),
-           (TC(64, 256, 4), TC(128, 256, 4), 160)]
+# rs: moe_gemm_rs (sm_90a, 4-bit) in place of the tc shapes; 8-bit and act-order rows keep the tc defaults
+RS = lambda bm, st, ku=1: GemmConfig(*_TC_WARPS[bm, 256], ku=ku, stages=st, kind="rs")
+PREFILL = [(TC(64, 256, 6), TC(128, 256, 4, 2), 160), (RS(64, 4, 2), RS(128, 4, 2), 160),
+           (RS(64, 6, 2), RS(128, 6), 160)]
 DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 64), ("Qwen3-30B-A3B", "down", 16),
-               ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1)]
+               ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1),
+               ("Mixtral-8x7B", "down", 64), ("DeepSeek-V2-Lite", "down", 256)]  # the last two: block 32
 PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024), ("Qwen3-30B-A3B", "gate_up", 4096),
                 ("DeepSeek-V3", "down", 1024), ("Qwen3-30B-A3B", "down", 1024)]
 
@@ -68,15 +74,16 @@ def main():
 
     # the current defaults (use_tile changes them as it goes) stand wherever no candidate passes its check
     default_rows64 = configs.ROWS_64_MAX
-    best_dec = (math.inf, configs.DECODE)
+    best_dec = (math.inf, configs.DECODE, configs.DECODE_32)
     best_pre = (math.inf, configs.PREFILL, configs.PREFILL_128, default_rows64)
-    for c in () if "--prefill-only" in sys.argv else DECODE:
-        bg.use_tile(c)
-        if not check([c]):
+    for c16, c32 in () if "--prefill-only" in sys.argv else DECODE:
+        for c in (c16, c32):
+            bg.use_tile(c)
+        if not check([c16, c32]):
             continue
-        logt = time_rows(DECODE_ROWS, bg.tile_spec(c))
+        logt = time_rows(DECODE_ROWS, f"{bg.tile_spec(c16)};{bg.tile_spec(c32)}")
         if logt < best_dec[0]:
-            best_dec = (logt, c)
+            best_dec = (logt, c16, c32)
     for c64, c128, rows64 in () if "--decode-only" in sys.argv else PREFILL:
         for c in (c64, c128):
             bg.use_tile(c)
@@ -89,23 +96,26 @@ def main():
     configs.ROWS_64_MAX = default_rows64
     if probe:  # last: the probe builds replace the real ones in this process
         bg.set_probe(6)
-        for c in DECODE:
-            bg.use_tile(c)
-            time_rows(DECODE_ROWS, "loads-only " + bg.tile_spec(c))
+        for c16, c32 in DECODE:
+            for c in (c16, c32):
+                bg.use_tile(c)
+            time_rows(DECODE_ROWS, f"loads-only {bg.tile_spec(c16)};{bg.tile_spec(c32)}")
+    _, c16, c32 = best_dec
     _, c64, c128, rows64 = best_pre
-    print(f"bench_args: --tiles {bg.tile_spec(best_dec[1])};{bg.tile_spec(c64)};{bg.tile_spec(c128)} "
+    print(f"bench_args: --tiles {bg.tile_spec(c16)};{bg.tile_spec(c32)};{bg.tile_spec(c64)};{bg.tile_spec(c128)} "
           f"--rows-64-max {rows64}", flush=True)
     if "--write" in sys.argv:
-        write_defaults(best_dec[1], c64, c128, rows64)
+        write_defaults(c16, c32, c64, c128, rows64)
 
 
-def write_defaults(dec, c64, c128, rows64):
-    """Make the winners configs.py's defaults (DECODE, PREFILL, PREFILL_128, ROWS_64_MAX)."""
+def write_defaults(c16, c32, c64, c128, rows64):
+    """Make the winners configs.py's defaults (DECODE, DECODE_32, PREFILL, PREFILL_128, ROWS_64_MAX)."""
     import re
     path = Path(configs.__file__)
     src = path.read_text()
-    for name, cfg in (("DECODE", dec), ("PREFILL", c64), ("PREFILL_128", c128)):
-        kind = ', kind="tc"' if cfg.kind == "tc" else ""
+    pre = ("PREFILL_RS", "PREFILL_RS_128") if c64.kind == "rs" else ("PREFILL", "PREFILL_128")
+    for name, cfg in (("DECODE", c16), ("DECODE_32", c32), (pre[0], c64), (pre[1], c128)):
+        kind = f', kind="{cfg.kind}"' if cfg.kind != "reg" else ""
         new = (f"{name} = GemmConfig(mt={cfg.mt}, warps_m={cfg.warps_m}, warps_n={cfg.warps_n}, ng={cfg.ng}, "
                f"ku={cfg.ku}, stages={cfg.stages}{kind})")
         src, n = re.subn(rf"^{name} = GemmConfig\([^)]*\)", new, src, flags=re.M)

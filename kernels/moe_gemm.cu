@@ -726,3 +726,285 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     }
   if (tid == 0) *ticket = 0;
 }
+
+// ================================================================================================================
+// Hopper prefill kernel with swapped operands (sm_90a, 4-bit, no act-order): out^T = W^T * X^T, so the weights are
+// wgmma's A operand, dequantized straight into registers (no shared-memory round trip, no CTA-wide dequantization
+// pass), and the gathered activation rows are its B operand (N = BT tokens, read from the same swizzled 64-byte-row
+// tiles as moe_gemm_tc's A). CTA = 256 output columns ("features") x BT = block_m pair rows x one K slice; warpgroup
+// i owns features 128i.. as two m64 tiles.
+//
+// Feature mapping: lane (warp w of its warpgroup, g = lane / 4) holds wgmma rows g and g + 8 of both m64 tiles,
+// i.e. 4 rows, which we map to the 4 consecutive features fb .. fb + 3 (fb = n0 + 128i + 32w + 4g; tile mt row
+// g + 8h is feature fb + 2mt + h). So one 16-byte load per qweight row gives a lane all its weight words.
+// K mapping: in a 32-k chunk, quad lane t copies qweight row 4c + t (k 8t .. 8t+7 of its 4 features). wgmma's A
+// fragment wants, per feature, the k pairs (2t, 2t+1), (2t+8, 2t+9), (2t+16, ..), (2t+24, ..): byte t of each of
+// the quad's 4 words. A 4 x 4 byte transpose across the quad (two shuffles, two byte permutes per word) turns word
+// t' of lane t into "byte j = k pair (8j + 2t, 8j + 2t + 1)", the natural order, so the activations need no
+// permutation and keep their 16-byte cp.async copies.
+// Pipeline: a ring of NS stages (KT chunks each): activation tiles (CTA-shared, one barrier per stage) and each
+// lane's own weight, scale and zero words (lane-private cp.async, no barrier). The A registers are double-buffered:
+// stage it+1 is dequantized while the wgmma group of stage it runs (one group kept in flight).
+template <int BT, int KT>
+struct RsSmem {
+  static constexpr int kAct = BT * 64;                 // one 32-k chunk of BT activation rows
+  static constexpr int kW = 256 * 16, kS = 256 * 8, kZ = 256 * 4;  // per chunk: each thread's words
+  static constexpr int kChunk = kAct + kW + kS + kZ;    // a multiple of 512 (the 64-byte swizzle period)
+  static constexpr int kStage = KT * kChunk;
+};
+
+template <bool kBf16, int BT, int NS, int KT>
+__global__ void __launch_bounds__(256)
+moe_gemm_rs(const unsigned short* __restrict__ a,        // [M, K]
+            const int* __restrict__ qweight,             // [E, K/8, N]
+            const unsigned short* __restrict__ scales,   // [E, groups, N] fp16 bits
+            const int* __restrict__ qzeros,              // [E, groups, N/8] or null
+            const int* __restrict__ g_idx,               // unused (act-order runs moe_gemm)
+            const float* __restrict__ topk_weights,      // [P] or null
+            const int* __restrict__ sorted,              // [C]
+            const int* __restrict__ expert_ids,          // [C / BT]
+            const int* __restrict__ post_padded,         // [1]
+            unsigned short* __restrict__ out,            // [P, N]
+            float* __restrict__ partials,                // [S, C, N] when split_k > 1
+            int* __restrict__ tickets,                   // [C / BT, N / 256] zeros when split_k > 1
+            int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
+            int split_k, int chunks_per_split) {
+  using L = RsSmem<BT, KT>;
+  constexpr int NJ = BT / 8;  // n8 token tiles of the accumulator
+  static_assert(BT == 64 || BT == 128, "BT");
+  static_assert(NS >= 4, "two stages in flight ahead of the one dequantized");
+  static_assert(gptq::kHaveWgmma, "moe_gemm_rs: sm_90a only");
+  extern __shared__ uint4 smem_dyn[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
+  smem += (1024 - (gptq::smem_u32(smem) & 1023)) & 1023;
+
+  const int blk = blockIdx.x;
+  if (blk * BT >= __ldg(post_padded)) return;
+  const int expert = __ldg(expert_ids + blk);
+  if (expert < 0) return;
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < static_cast<unsigned>(NS * L::kStage + 1024)) __trap();  // launcher / kernel layout mismatch
+  }
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int fb = blockIdx.y * 256 + 32 * warp + 4 * g;  // the lane's 4 features (warp = 4 * warpgroup + w)
+  const bool f_ok = fb < N;                              // N % 32 == 0: all 4 or none
+  const long long rows_q = static_cast<long long>(K) / 8;
+  const int* qw_e = qweight + expert * rows_q * N;
+  const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;
+  const int zwords = N / 8;
+  const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
+
+  // activation copies: BT rows x 4 chunks of 16 bytes per 32-k chunk, swizzled as in moe_gemm_tc
+  constexpr int A_PER = BT * 4 / 256;
+  const unsigned short* a_src[A_PER];
+  int a_dst[A_PER];
+#pragma unroll
+  for (int i = 0; i < A_PER; ++i) {
+    const int idx = tid + i * 256, r = idx >> 2, c = idx & 3;
+    const int p = __ldg(sorted + blk * BT + r);
+    a_src[i] = (p >= 0 && p < num_pairs) ? a + static_cast<long long>(p / top_k) * K + 8 * c : nullptr;
+    a_dst[i] = r * 64 + ((c ^ ((r >> 1) & 3)) << 4);
+  }
+
+  const int total_chunks = K / 32;
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  const int c_end = min(total_chunks, c_begin + chunks_per_split);
+  const int nsteps = (c_end - c_begin + KT - 1) / KT;
+
+  // one chunk into st; past the slice end everything is zero-filled (no reads): zero activations add 0
+  auto issue_chunk = [&](unsigned char* st, int c) {
+    const bool in = c < c_end;
+    const int k0 = c * 32;
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i)
+      gptq::cp_async16(st + a_dst[i], in && a_src[i] ? a_src[i] + k0 : a, in && a_src[i] != nullptr);
+    const bool ok = in && f_ok;
+    const long long grp = k0 / group_len;
+    gptq::cp_async16(st + L::kAct + tid * 16, ok ? qw_e + static_cast<long long>(4 * c + t) * N + fb : qw_e,
+                     ok && !(kProbe & 1));
+    gptq::cp_async_small<8>(st + L::kAct + L::kW + tid * 8, ok ? sc_e + grp * N + fb : sc_e, ok);
+    if (qz_e) gptq::cp_async_small<4>(st + L::kAct + L::kW + L::kS + tid * 4, ok ? qz_e + grp * zwords + fb / 8 : qz_e, ok);
+  };
+  auto issue = [&](int slot, int c) {
+#pragma unroll
+    for (int s = 0; s < KT; ++s) issue_chunk(smem + slot * L::kStage + s * L::kChunk, c + s);
+  };
+
+  // A fragments of one stage: [chunk][k16 step][m64 tile][4], double-buffered
+  u32 af0[KT * 16], af1[KT * 16];
+  auto dequant = [&](int slot, u32 (&af)[KT * 16]) {
+#pragma unroll
+    for (int s = 0; s < KT; ++s) {
+      const unsigned char* st = smem + slot * L::kStage + s * L::kChunk;
+      const uint4 wv = *reinterpret_cast<const uint4*>(st + L::kAct + tid * 16);
+      const uint2 sv = *reinterpret_cast<const uint2*>(st + L::kAct + L::kW + tid * 8);
+      const u32 zw = qz_e ? *reinterpret_cast<const u32*>(st + L::kAct + L::kW + L::kS + tid * 4) >> (4 * (fb & 7))
+                          : 0x8888u;  // symmetric: zero 8
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        u32 x = f == 0 ? wv.x : f == 1 ? wv.y : f == 2 ? wv.z : wv.w;
+        // quad byte transpose: byte j of the result = byte t of lane j's word
+        u32 y = __shfl_xor_sync(0xffffffffu, x, 2);
+        x = gptq::prmt(x, y, (t & 2) ? 0x3276u : 0x5410u);
+        y = __shfl_xor_sync(0xffffffffu, x, 1);
+        x = gptq::prmt(x, y, (t & 1) ? 0x3715u : 0x6240u);
+        const unsigned short sb = static_cast<unsigned short>((f < 2 ? sv.x : sv.y) >> (16 * (f & 1)));
+        const u32 z = (zw >> (4 * f)) & 15u;
+        const int mt = f >> 1, h = f & 1;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // k pair (8j + 2t, 8j + 2t + 1): step j / 2, fragment register 2 (j & 1) + h
+          u32 v;
+          if constexpr (!kBf16) {
+            // lo = 1024 + q_even, hi = 1024 + 16 q_odd; one fma by (1, 1/16) with (-(1024 + z), -(64 + z)) gives
+            // both q - z exactly, one multiply by the scale rounds once
+            const u32 p = gptq::and_or(gptq::prmt(x, 0u, 0x4040u | (j << 8) | j), 0x00F0000Fu, 0x64006400u);
+            const u32 add = (0xE400u + z) | ((0xD400u + (z << 4)) << 16);
+            v = gptq::hmul2(gptq::hfma2(p, 0x2C003C00u, add), u32(sb) * 0x10001u);
+          } else {
+            const float sf = gptq::half_bits_to_float(sb), zf = 8388608.0f + float(z);
+            const float lo = (__uint_as_float(0x4B000000u | ((x >> (8 * j)) & 15u)) - zf) * sf;
+            const float hi = (__uint_as_float(0x4B000000u | ((x >> (8 * j + 4)) & 15u)) - zf) * sf;
+            v = gptq::pack2<true>(lo, hi);
+          }
+          if constexpr (kProbe & 2) v = x + j;
+          af[s * 16 + (j >> 1) * 8 + mt * 4 + 2 * (j & 1) + h] = v;
+        }
+      }
+    }
+  };
+
+  float acc[2][NJ][4];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][j][r] = 0.f;
+
+  const unsigned smem_base = gptq::smem_u32(smem);
+  auto wg_issue = [&](int slot, u32 (&af)[KT * 16]) {
+    gptq::wg_fence_operands(acc[0]);
+    gptq::wg_fence_operands(acc[1]);
+    gptq::wg_fence_regs(af);
+    gptq::wg_fence();
+#pragma unroll
+    for (int s = 0; s < KT; ++s)
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const unsigned long long db = gptq::wg_desc_sw64(smem_base + slot * L::kStage + s * L::kChunk + 32 * ks);
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+          const int o = s * 16 + ks * 8 + mt * 4;
+          const u32 frag[4] = {af[o], af[o + 1], af[o + 2], af[o + 3]};
+          if (!(kProbe & 4)) gptq::wgmma_rs_m64k16<kBf16, BT>(acc[mt], frag, db);
+        }
+      }
+    gptq::wg_commit();
+  };
+
+  // ---- main loop: LOOK = NS - 2 stages in flight; iteration it issues the wgmma group of stage it (A registers
+  // af[it & 1]), waits for group it-1 (so af[(it+1) & 1] and the slot of stage it-2 are free: the barrier at the
+  // top of the next iteration covers both warpgroups), then dequantizes stage it+1 into af[(it+1) & 1].
+  constexpr int LOOK = NS - 2;
+#pragma unroll
+  for (int s = 0; s < LOOK; ++s) {
+    if (s < nsteps) issue(s, c_begin + s * KT);
+    gptq::cp_async_commit();
+  }
+  gptq::cp_async_wait<LOOK - 1>();
+  if (nsteps > 0) dequant(0, af0);
+  auto body = [&](int it, u32 (&cur)[KT * 16], u32 (&nxt)[KT * 16]) {
+    const int slot = it % NS;
+    gptq::fence_proxy_async_smem();  // this thread's activation copies -> wgmma reads
+    __syncthreads();
+    const int nx = it + LOOK;
+    if (nx < nsteps) issue(nx % NS, c_begin + nx * KT);
+    gptq::cp_async_commit();
+    wg_issue(slot, cur);
+    gptq::wg_wait<1>();
+    gptq::wg_fence_regs(nxt);
+    if (it + 1 < nsteps) {
+      gptq::cp_async_wait<LOOK - 1>();  // stage it+1 landed (this thread's copies)
+      dequant((it + 1) % NS, nxt);
+    }
+  };
+  for (int it = 0; it < nsteps; it += 2) {
+    body(it, af0, af1);
+    if (it + 1 < nsteps) body(it + 1, af1, af0);
+  }
+  gptq::cp_async_wait<0>();
+  gptq::wg_wait<0>();
+  gptq::wg_fence_operands(acc[0]);
+  gptq::wg_fence_operands(acc[1]);
+
+  // ---- epilogue: token column 8j + 2t + e of the block; features fb .. fb+3 = acc[mt][j][2h + e], f = 2mt + h
+  auto values = [&](int j, int e, float (&v)[4]) {
+    v[0] = acc[0][j][e];
+    v[1] = acc[0][j][2 + e];
+    v[2] = acc[1][j][e];
+    v[3] = acc[1][j][2 + e];
+  };
+  if (split_k == 1) {
+    if (!f_ok) return;
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int p = __ldg(sorted + blk * BT + 8 * j + 2 * t + e);
+        if (p < 0 || p >= num_pairs) continue;
+        const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+        float v[4];
+        values(j, e, v);
+        *reinterpret_cast<uint2*>(out + static_cast<long long>(p) * N + fb) =
+            make_uint2(gptq::pack2<kBf16>(v[0] * w, v[1] * w), gptq::pack2<kBf16>(v[2] * w, v[3] * w));
+      }
+    return;
+  }
+
+  if (f_ok) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int slot = blk * BT + 8 * j + 2 * t + e;
+        const int p = __ldg(sorted + slot);
+        if (p < 0 || p >= num_pairs) continue;
+        float v[4];
+        values(j, e, v);
+        *reinterpret_cast<float4*>(partials + (static_cast<long long>(blockIdx.z) * capacity + slot) * N + fb) =
+            make_float4(v[0], v[1], v[2], v[3]);
+      }
+  }
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int* ticket = tickets + static_cast<long long>(blk) * gridDim.y + blockIdx.y;
+  if (tid == 0) last = atomicAdd(ticket, 1) == split_k - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  if (f_ok) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int slot = blk * BT + 8 * j + 2 * t + e;
+        const int p = __ldg(sorted + slot);
+        if (p < 0 || p >= num_pairs) continue;
+        const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+        float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the same result on every run
+          const float4 x = __ldcg(reinterpret_cast<const float4*>(
+              partials + (static_cast<long long>(s) * capacity + slot) * N + fb));
+          v.x += x.x; v.y += x.y; v.z += x.z; v.w += x.w;
+        }
+        *reinterpret_cast<uint2*>(out + static_cast<long long>(p) * N + fb) =
+            make_uint2(gptq::pack2<kBf16>(v.x * w, v.y * w), gptq::pack2<kBf16>(v.z * w, v.w * w));
+      }
+  }
+  if (tid == 0) *ticket = 0;
+}
