@@ -155,15 +155,14 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
 
 def parse_tiles(spec):
     """'16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
-    with kind reg (moe_gemm, the default), tc (moe_gemm_tc) or rs (moe_gemm_rs: sm_90a, 4-bit, used in place of the
-    tc shape of its block_m); block_m is checked."""
+    with kind reg (moe_gemm, the default) or tc (moe_gemm_tc); block_m is checked."""
     out = []
     for item in filter(None, spec.split(";")):
         key, val = item.split("=")
         kind, _, val = val.rpartition(":")
         kind = kind or "reg"
-        if kind not in ("reg", "tc", "rs"):
-            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of ['reg', 'tc', 'rs']")
+        if kind not in ("reg", "tc"):
+            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of ['reg', 'tc']")
         cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), kind=kind)
         if cfg.block_m != int(key):
             raise ValueError(f"--tiles: {item!r} has block_m {cfg.block_m}, not {key}")
@@ -172,20 +171,12 @@ def parse_tiles(spec):
 
 
 def tile_spec(cfg):
-    kind = "" if cfg.kind == "reg" else cfg.kind + ":"
+    kind = "tc:" if cfg.kind == "tc" else ""
     return f"{cfg.block_m}={kind}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
 
 
 def use_tile(cfg):
-    """Make `cfg` the kernel shape of its block_m (what choose_config and the launcher use). An rs shape replaces
-    RS_SHAPES[block_m] and turns moe_gemm_rs on (CUPY_MOE_RS=1); a tc shape turns it off (CUPY_MOE_RS=0)."""
-    if cfg.kind == "rs":
-        configs.RS_SHAPES[cfg.block_m] = cfg
-        setattr(configs, {64: "PREFILL_RS", 128: "PREFILL_RS_128"}[cfg.block_m], cfg)
-        os.environ["CUPY_MOE_RS"] = "1"
-        return
-    if cfg.kind == "tc":
-        os.environ["CUPY_MOE_RS"] = "0"
+    """Make `cfg` the kernel shape of its block_m (what choose_config and the launcher use)."""
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
     name = {16: "DECODE", 32: "DECODE_32", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
     setattr(configs, name, cfg)

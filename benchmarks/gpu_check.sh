@@ -25,7 +25,7 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
 stage reads "${READS_TIMEOUT:-90}" "$OUT/reads.txt" python3 benchmarks/read_patterns.py
 stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-}
 stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
-stage bench "${BENCH_TIMEOUT:-190}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
+stage bench "${BENCH_TIMEOUT:-260}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
 [[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 stage demo "${DEMO_TIMEOUT:-80}" "$OUT/demo.txt" python3 -m cupy_moe demo
 stage layer "${LAYER_TIMEOUT:-50}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py

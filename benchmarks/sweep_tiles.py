@@ -20,8 +20,8 @@ from cupy_moe import configs  # noqa: E402
 from cupy_moe.configs import GemmConfig  # noqa: E402
 
 # decode (moe_gemm): pairs of (block_m 16, block_m 32) shapes (mt, warps_m, warps_n, ng, ku, stages). Per stage a
-# CTA reads 32*ku/8 qweight rows x 32*warps_n*ng columns (16 rows x 512 B at ku 4) plus their scales and zeros;
-# stages - 1 in flight (static shared memory: 48 KiB, so 8-bit rings are shallower).
+# CTA reads 32*ku/8 qweight rows x 32*warps_n*ng columns (16 rows x 512 B at ku 4); stages - 1 in flight (static
+# shared memory: 48 KiB, so 8-bit rings hold half the stages).
 DEC = lambda mt, ku, st: GemmConfig(mt, 1, 4, 1, ku, st)
 DECODE = [(DEC(1, 4, 2), DEC(2, 2, 4)), (DEC(1, 4, 3), DEC(2, 2, 6)), (DEC(1, 4, 4), DEC(2, 2, 8)),
           (DEC(1, 2, 6), DEC(2, 2, 6))]
@@ -29,15 +29,14 @@ _TC_WARPS = {(64, 128): (2, 2, 4, 1), (128, 128): (2, 4, 2, 2), (64, 256): (2, 2
 TC = lambda bm, bn, st=4, ku=1: GemmConfig(*_TC_WARPS[bm, bn], ku=ku, stages=st, kind="tc")  # ku: 32-k steps/stage
 # prefill (moe_gemm_tc): (block_m 64 shape, block_m 128 shape, ROWS_64_MAX = the most rows per touched expert that
 # still run block_m 64)
-# rs: moe_gemm_rs (sm_90a, 4-bit) in place of the tc shapes; 8-bit and act-order rows keep the tc defaults
-RS = lambda bm, st, ku=1: GemmConfig(*_TC_WARPS[bm, 256], ku=ku, stages=st, kind="rs")
-PREFILL = [(TC(64, 256, 6), TC(128, 256, 4, 2), 160), (RS(64, 4, 2), RS(128, 4, 2), 160),
-           (RS(64, 6, 2), RS(128, 6), 160)]
+PREFILL = [(TC(64, 256, 6), TC(128, 256, 4, 2), 160), (TC(64, 256, 6), TC(128, 256, 4, 2), 320),
+           (TC(64, 256, 6), TC(128, 256, 4, 2), 96)]  # the last two: rows-per-expert switch points
 DECODE_ROWS = [("Mixtral-8x7B", "gate_up", 1), ("Mixtral-8x7B", "gate_up", 64), ("Qwen3-30B-A3B", "down", 16),
                ("DeepSeek-V3", "down", 16), ("Qwen3-30B-A3B", "down", 1), ("DeepSeek-V3", "gate_up", 1),
                ("Mixtral-8x7B", "down", 64), ("DeepSeek-V2-Lite", "down", 256)]  # the last two: block 32
 PREFILL_ROWS = [("Mixtral-8x7B", "gate_up", 4096), ("Mixtral-8x7B", "down", 1024), ("Qwen3-30B-A3B", "gate_up", 4096),
-                ("DeepSeek-V3", "down", 1024), ("Qwen3-30B-A3B", "down", 1024)]
+                ("DeepSeek-V3", "down", 1024), ("Qwen3-30B-A3B", "down", 1024),
+                ("Qwen2-57B-A14B", "gate_up", 1024)]  # rows per touched expert: 1024, 256, 256, 32, 64, 128
 
 
 def check(cfgs):
@@ -113,9 +112,8 @@ def write_defaults(c16, c32, c64, c128, rows64):
     import re
     path = Path(configs.__file__)
     src = path.read_text()
-    pre = ("PREFILL_RS", "PREFILL_RS_128") if c64.kind == "rs" else ("PREFILL", "PREFILL_128")
-    for name, cfg in (("DECODE", c16), ("DECODE_32", c32), (pre[0], c64), (pre[1], c128)):
-        kind = f', kind="{cfg.kind}"' if cfg.kind != "reg" else ""
+    for name, cfg in (("DECODE", c16), ("DECODE_32", c32), ("PREFILL", c64), ("PREFILL_128", c128)):
+        kind = ', kind="tc"' if cfg.kind == "tc" else ""
         new = (f"{name} = GemmConfig(mt={cfg.mt}, warps_m={cfg.warps_m}, warps_n={cfg.warps_n}, ng={cfg.ng}, "
                f"ku={cfg.ku}, stages={cfg.stages}{kind})")
         src, n = re.subn(rf"^{name} = GemmConfig\([^)]*\)", new, src, flags=re.M)

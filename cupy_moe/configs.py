@@ -23,7 +23,10 @@ docs/performance.md):
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
 two m16 tiles: an expert with 17-32 rows reads and dequantizes its weights once instead of twice; H200, 2026-12-03,
 against block 16: DeepSeek-V2-Lite M = 256 gate/up 209 -> 163 us, down 113 -> 92 us, Mixtral-8x22B down M = 64
-376 -> 319 us, the other five rows that switch within 2%), r <= 160 -> 64, else 128.
+376 -> 319 us, the other five rows that switch within 2%; but Qwen1.5-MoE-A2.7B M = 256, 17 rows: down 83 -> 96 us),
+r <= 96 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
+gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against 8496 us in the
+benchmark; at 256 rows by 10-11%; the rows with 32 and 64 rows per expert do not move).
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
 16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
 waves = ceil(CTAs / resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
@@ -43,7 +46,7 @@ from pathlib import Path
 
 __all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS",
            "kernel_instance", "all_name_expressions", "MODEL_SHAPES", "tuned_cache_path", "tuning_key",
-           "tuned_table", "save_tuned", "hopper_enabled", "rs_enabled", "RS_SHAPES"]
+           "tuned_table", "save_tuned", "hopper_enabled"]
 
 # The MoE shapes of SHAPES.md: name -> (H, I, E, A). Benchmarks and `python -m cupy_moe tune` use these.
 MODEL_SHAPES = {
@@ -79,8 +82,7 @@ class GemmConfig:
     ku: int
     stages: int = 4
     split_k: int = 1
-    kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory),
-    # "rs": moe_gemm_rs (sm_90a, 4-bit: weights dequantized into wgmma's register operand; block_n 256)
+    kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory)
 
     @property
     def block_m(self) -> int:
@@ -104,11 +106,6 @@ class GemmConfig:
                         hopper: bool = False) -> str:
         """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none)."""
         b = lambda flag: "true" if flag else "false"
-        if self.kind == "rs":
-            if act_order or bits != 4 or not hopper:
-                raise ValueError(f"moe_gemm_rs: expected 4-bit weights without act-order on sm_90a, got bits={bits}, "
-                                 f"act_order={act_order}, hopper={hopper} (use kernel_instance)")
-            return f"moe_gemm_rs<{b(bf16)}, {self.block_m}, {self.stages}, {self.ku}>"
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
@@ -124,8 +121,6 @@ class GemmConfig:
         two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
         base."""
         bn = self.block_n
-        if self.kind == "rs":  # RsSmem: per 32-k chunk the activation rows and each thread's 16 + 8 + 4 bytes
-            return self.stages * self.ku * (self.block_m * 64 + 256 * 28) + 1024
         if self.kind != "tc":
             return 0
         step = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
@@ -139,16 +134,12 @@ DECODE_32 = GemmConfig(mt=2, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # two 
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
 KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)}
-# sm_90a, 4-bit, no act-order, opt-in (CUPY_MOE_RS=1): the tc block sizes run moe_gemm_rs with these shapes
-PREFILL_RS = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=2, stages=6, kind="rs")      # 256 columns x 64 rows
-PREFILL_RS_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="rs")  # 256 columns x 128 rows
-RS_SHAPES = {c.block_m: c for c in (PREFILL_RS, PREFILL_RS_128)}
 # act-order weights at the tc block sizes: moe_gemm shapes of the same block_m
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
-# heuristic block_m: rows per touched expert <= 10 -> 16, <= 24 -> 32, <= 160 -> 64, else 128
-ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 10, 24, 160
+# heuristic block_m: rows per touched expert <= 10 -> 16, <= 24 -> 32, <= 96 -> 64, else 128
+ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 10, 24, 96
 
 
 def hopper_enabled(arch: str) -> bool:
@@ -157,23 +148,12 @@ def hopper_enabled(arch: str) -> bool:
     return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 
-def rs_enabled() -> bool:
-    """Whether moe_gemm_rs replaces moe_gemm_tc where it can (sm_90a, 4-bit, no act-order): when the environment
-    sets CUPY_MOE_RS=1 (experimental; on the H200 it was not faster, see docs/performance.md)."""
-    return os.environ.get("CUPY_MOE_RS", "0") == "1"
-
-
-def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, hopper: bool = False,
-                    rs: bool | None = None):
+def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, hopper: bool = False):
     """(config actually launched, name expression, dynamic shared-memory bytes) for one call.
 
-    The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m];
-    on Hopper 4-bit weights without act-order at a tc block size switch to RS_SHAPES[block_m] (see rs_enabled).
-    hopper: the Hopper variants (see hopper_enabled); rs: allow moe_gemm_rs (None: rs_enabled()).
+    The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m].
+    hopper: the Hopper variants (see hopper_enabled).
     """
-    rs = rs_enabled() if rs is None else rs
-    if cfg.kind == "tc" and hopper and bits == 4 and not act_order and rs and cfg.block_m in RS_SHAPES:
-        cfg = replace(RS_SHAPES[cfg.block_m], split_k=cfg.split_k)
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
     return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper), cfg.smem_bytes(bits, hopper)
@@ -183,16 +163,12 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
     """Every kernel instance the launcher can request on `arch` (the NVRTC compile test compiles all of them);
     on sm_90a both the Hopper and the sm_80-style variants."""
     names = []
-    if arch == "sm_90a":
-        for bf16 in (False, True):
-            for cfg in RS_SHAPES.values():
-                names.append(cfg.name_expression(bf16, 4, False, None, True))
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
         for bf16 in (False, True):
             for bits in (4, 8):
                 for cfg in KERNEL_SHAPES.values():
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
-                        names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper, rs=False)[1])
+                        names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))
 
 

@@ -19,14 +19,6 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool fu
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0)
                : "memory");
 }
-// 4- or 8-byte global -> shared copy (through L1: .cg takes 16 bytes only); `full` false zero-fills without reading.
-template <int kBytes>
-__device__ __forceinline__ void cp_async_small(void* smem, const void* gmem, bool full) {
-  static_assert(kBytes == 4 || kBytes == 8, "cp.async.ca copies 4, 8 or 16 bytes");
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(gmem), "n"(kBytes), "r"(full ? kBytes : 0)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }

@@ -108,57 +108,6 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], unsigned long
   }
 #endif
 }
-
-// The same op with A from registers (the m16n8k16 A fragment of each warp's 16 rows, 4 x b32 per thread: rows g and
-// g + 8, k 2t..2t+1 and 2t+8..2t+9), B from shared memory; N = 64 or 128. The registers of `a` are read
-// asynchronously: they must not change until a wgmma.wait_group covers this op.
-#define CUPY_MOE_REGS_0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-#define CUPY_MOE_ACC8(d, o) \
-  "+f"(d[o + 0][0]), "+f"(d[o + 0][1]), "+f"(d[o + 0][2]), "+f"(d[o + 0][3]), \
-  "+f"(d[o + 1][0]), "+f"(d[o + 1][1]), "+f"(d[o + 1][2]), "+f"(d[o + 1][3]), \
-  "+f"(d[o + 2][0]), "+f"(d[o + 2][1]), "+f"(d[o + 2][2]), "+f"(d[o + 2][3]), \
-  "+f"(d[o + 3][0]), "+f"(d[o + 3][1]), "+f"(d[o + 3][2]), "+f"(d[o + 3][3]), \
-  "+f"(d[o + 4][0]), "+f"(d[o + 4][1]), "+f"(d[o + 4][2]), "+f"(d[o + 4][3]), \
-  "+f"(d[o + 5][0]), "+f"(d[o + 5][1]), "+f"(d[o + 5][2]), "+f"(d[o + 5][3]), \
-  "+f"(d[o + 6][0]), "+f"(d[o + 6][1]), "+f"(d[o + 6][2]), "+f"(d[o + 6][3]), \
-  "+f"(d[o + 7][0]), "+f"(d[o + 7][1]), "+f"(d[o + 7][2]), "+f"(d[o + 7][3])
-#define CUPY_MOE_WGMMA_RS(N, TY, REGS, A0, DESC_B, SCALE_D, ...)                                                   \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SCALE_D ", 0;\n"                                              \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {" REGS "}, {" A0 "}, " DESC_B \
-               ", p, 1, 1, 0;\n}\n"                                                                           \
-               : __VA_ARGS__                                                                                     \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-#define CUPY_MOE_WGMMA_RS_N64(TY) \
-  CUPY_MOE_WGMMA_RS(64, TY, CUPY_MOE_REGS_0_31, "%32, %33, %34, %35", "%36", "%37", CUPY_MOE_ACC8(d, 0))
-#define CUPY_MOE_WGMMA_RS_N128(TY)                                                                           \
-  CUPY_MOE_WGMMA_RS(128, TY, CUPY_MOE_REGS_0_63, "%64, %65, %66, %67", "%68", "%69", CUPY_MOE_ACC16(d, 0))
-
-template <bool kBf16, int N>
-__device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[N / 8][4], const u32 (&a)[4], unsigned long long desc_b) {
-  static_assert(N == 64 || N == 128, "wgmma width (register A)");
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (N == 64 && kBf16) {
-    CUPY_MOE_WGMMA_RS_N64("bf16");
-  } else if constexpr (N == 64) {
-    CUPY_MOE_WGMMA_RS_N64("f16");
-  } else if constexpr (kBf16) {
-    CUPY_MOE_WGMMA_RS_N128("bf16");
-  } else {
-    CUPY_MOE_WGMMA_RS_N128("f16");
-  }
-#endif
-}
-// Keeps the compiler from reusing A-operand registers of an in-flight register-A wgmma.
-template <int NA>
-__device__ __forceinline__ void wg_fence_regs(u32 (&r)[NA]) {
-#pragma unroll
-  for (int i = 0; i < NA; ++i) asm volatile("" : "+r"(r[i])::"memory");
-}
-#undef CUPY_MOE_WGMMA_RS_N64
-#undef CUPY_MOE_WGMMA_RS_N128
-#undef CUPY_MOE_WGMMA_RS
-#undef CUPY_MOE_ACC8
-#undef CUPY_MOE_REGS_0_31
 #undef CUPY_MOE_WGMMA_N128
 #undef CUPY_MOE_WGMMA_N256
 #undef CUPY_MOE_WGMMA

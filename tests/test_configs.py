@@ -18,7 +18,8 @@ def fake_gpu(tmp_path, monkeypatch):
 def test_heuristic_block_sizes_follow_rows_per_expert():
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_m == 16
     assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).block_m == 32       # 16 rows per expert
-    assert configs.choose_config(400, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 100 rows per expert
+    assert configs.choose_config(320, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 80 rows per expert
+    assert configs.choose_config(400, 8, 2, 4096, 28672, 4, 128).block_m == 128     # 100 rows per expert
     assert configs.choose_config(4096, 8, 2, 4096, 28672, 4, 128).block_m == 128    # 1024 rows per expert
     cfg = configs.choose_config(1, 8, 2, 4096, 4096, 4, 128)
     assert 1 < cfg.split_k <= 16  # few tiles: split-K fills the SMs
@@ -86,10 +87,9 @@ def test_tune_checks_its_arguments_before_touching_a_gpu():
 
 
 def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
-    from dataclasses import replace
     tc, dec = configs.PREFILL_128, configs.DECODE
     assert configs.kernel_instance(tc, False, 4, False, 128)[1].endswith(", false>")
-    _, name, smem = configs.kernel_instance(tc, False, 4, False, 128, hopper=True, rs=False)
+    _, name, smem = configs.kernel_instance(tc, False, 4, False, 128, hopper=True)
     assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, {tc.ku}, true>"
     # wgmma: 32-k steps rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
     step = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
@@ -102,19 +102,6 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     # act-order at a tc block size falls back to moe_gemm (group mode 2), which has no wgmma variant
     cfg, name, smem = configs.kernel_instance(tc, False, 4, True, 128, hopper=True)
     assert name.startswith("moe_gemm<") and name.endswith(", 2>") and smem == 0
-    # sm_90a, 4-bit, no act-order: moe_gemm_rs (RsSmem: per 32-k chunk BT activation rows of 64 bytes and 28 bytes
-    # per thread), unless CUPY_MOE_RS=0; 8-bit keeps the tc kernel
-    rs = configs.RS_SHAPES[128]
-    monkeypatch.setenv("CUPY_MOE_RS", "1")
-    cfg, name, smem = configs.kernel_instance(replace(tc, split_k=3), True, 4, False, 128, hopper=True)
-    assert name == f"moe_gemm_rs<true, 128, {rs.stages}, {rs.ku}>" and cfg.split_k == 3 and cfg.block_n == 256
-    assert smem == rs.stages * rs.ku * (128 * 64 + 256 * 28) + 1024
-    assert configs.kernel_instance(tc, True, 8, False, 128, hopper=True)[1].startswith("moe_gemm_tc<")
-    assert configs.kernel_instance(tc, True, 4, False, 128, hopper=False)[1].startswith("moe_gemm_tc<")
-    monkeypatch.setenv("CUPY_MOE_RS", "0")
-    assert configs.kernel_instance(tc, True, 4, False, 128, hopper=True)[1].startswith("moe_gemm_tc<")
-    with pytest.raises(ValueError, match="moe_gemm_rs: expected 4-bit"):
-        rs.name_expression(False, 8, False, 128, hopper=True)
     monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
     assert not configs.hopper_enabled("sm_90a")
     monkeypatch.setenv("CUPY_MOE_HOPPER", "1")
@@ -123,7 +110,7 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
 
 def test_default_tiles_fit_one_sm():
     """Every instance the launcher can request fits an H100/H200 SM's 227 KiB of opt-in shared memory."""
-    for cfg in (*configs.KERNEL_SHAPES.values(), *configs.RS_SHAPES.values()):
+    for cfg in configs.KERNEL_SHAPES.values():
         for bits in (4, 8):
             for hopper in (False, True):
                 assert cfg.smem_bytes(bits, hopper) <= 227 * 1024, (cfg, bits, hopper)
@@ -137,8 +124,7 @@ def test_benchmark_tile_specs_round_trip():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_gemm
     from dataclasses import replace
-    for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3), configs.PREFILL, configs.PREFILL_128,
-                configs.PREFILL_RS):
+    for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3), configs.PREFILL, configs.PREFILL_128):
         spec = bench_gemm.tile_spec(cfg)
         assert bench_gemm.parse_tiles(spec) == [cfg]
     with pytest.raises(ValueError, match="kind 'fast'"):

@@ -96,17 +96,15 @@ def test_gemm_model_shapes(k, n, m):
                  act_order=False, dtype_name="float16", routed=True, kind="uniform")
 
 
-@pytest.mark.parametrize("variant", ["rs", "wgmma", "mma"])
+@pytest.mark.parametrize("hopper", ["1", "0"])
 @pytest.mark.parametrize("block_m", [64, 128])
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name", [
     (4, False, False, "float16"), (4, True, False, "bfloat16"), (8, False, False, "float16"),
     (8, True, False, "bfloat16"), (4, False, True, "float16")])
-def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, variant, monkeypatch):
-    """The prefill kernels: on sm_90a moe_gemm_rs (4-bit) and moe_gemm_tc's wgmma variant, and everywhere the tc
-    kernel's mma.sync variant and the act-order fallback: partial tiles in M and N, groups of 32 and 128, several
-    experts, split-K (few CTAs, long K) and not."""
-    monkeypatch.setenv("CUPY_MOE_HOPPER", "0" if variant == "mma" else "1")  # mma.sync: the only one off Hopper
-    monkeypatch.setenv("CUPY_MOE_RS", "1" if variant == "rs" else "0")
+def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper, monkeypatch):
+    """The shared-memory (tc) kernel, both its wgmma (sm_90a) and mma.sync variants, and its act-order fallback:
+    partial tiles in M and N, groups of 32 and 128, several experts, split-K (few CTAs, long K) and not."""
+    monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)  # "0": the mma.sync variant (the only one off Hopper)
     rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * act_order)
     for e, m, a, k, n, gs in ((3, 200, 2, 1024, 160, 128), (8, 300, 2, 256, 288, 32), (2, 70, 1, 2048, 96, -1)):
         run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
