@@ -120,9 +120,9 @@ class GemmConfig:
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
         two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
         base."""
-        bn = self.block_n
         if self.kind != "tc":
             return 0
+        bn = self.block_n
         step = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
         if hopper:
             step = -(-step // 512) * 512

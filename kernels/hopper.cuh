@@ -15,8 +15,6 @@ constexpr bool kHaveWgmma = true;
 constexpr bool kHaveWgmma = false;
 #endif
 
-// ---- wgmma
-
 // Descriptor of a K-major tile with 64-byte swizzle: start address / 16 (bits 0-13), leading-dimension offset
 // 16 B / 16 (bits 16-29; unused when one k16 slice lies inside the 64-byte swizzle span), stride between 8-row
 // groups 512 B / 16 (bits 32-45), layout 2 = 64-byte swizzle (bits 62-63). Advancing the start by 32 bytes selects
