@@ -87,7 +87,9 @@ def random_weight(e, k, n, rng_seed):
     return StackedGptqWeight(qweight, scales, qzeros, None, bits=BITS, group_size=G)
 
 
-def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True):
+def prepare_row(model, phase, m, rotations=8):
+    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2).
+    Returns a dict with the shapes, the config and `call(i)`, which runs our GEMM on input set i % rotations."""
     h, inter, e, a_top = MODELS[model]
     if phase == "gate_up":
         k, n, top_k, rows = h, 2 * inter, a_top, m
@@ -112,9 +114,19 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
         sets.append((x, s, eid, post, out, ids_rows, len(np.unique(ids))))
     cp.cuda.Device().synchronize()
 
-    def ours(i):
+    def call(i):
         x, s, eid, post, out, _, _ = sets[i % rotations]
         fused_moe_gemm(x, weights[i % copies], s, eid, post, top_k, out=out)
+
+    return dict(k=k, n=n, top_k=top_k, rows=rows, p=p, cfg=cfg, weights=weights, copies=copies, sets=sets,
+                w_bytes_expert=w_bytes_expert, call=call)
+
+
+def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True):
+    row = prepare_row(model, phase, m, rotations)
+    k, n, top_k, rows, p, cfg = (row[f] for f in ("k", "n", "top_k", "rows", "p", "cfg"))
+    weights, copies, sets, w_bytes_expert, ours = (row[f] for f in ("weights", "copies", "sets", "w_bytes_expert",
+                                                                     "call"))
 
     # Our kernel is timed as replays of a CUDA graph holding one call per rotation (as a serving engine runs
     # it): the launcher's Python checks stay out of the GPU time, launch gaps inside the graph stay in.

@@ -3,7 +3,8 @@
 #   tests.log (the whole suite), memcheck.log, bench.txt + performance.png (one GEMM phase),
 #   layer.txt (whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model), examples.txt;
 #   when asked for: sweep.txt (the tile sweep of benchmarks/sweep_tiles.py with $SWEEP_ARGS; it runs first, so with
-#   --write the other stages use its winners) and reads.txt (benchmarks/read_patterns.py).
+#   --write the other stages use its winners), reads.txt (benchmarks/read_patterns.py) and ncu.txt + ncu_source.csv.gz
+#   (Nsight Compute on the rows of benchmarks/profile_rows.py, $NCU_ROWS: details and per-instruction stall samples).
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
 # STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py;
 # TESTS_ARGS to pytest (default: the whole suite; "-m gpu tests" runs only the tests that need the GPU).
@@ -24,6 +25,10 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
 
 stage reads "${READS_TIMEOUT:-90}" "$OUT/reads.txt" python3 benchmarks/read_patterns.py
 stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-}
+stage ncu "${NCU_TIMEOUT:-300}" "$OUT/ncu.txt" bash -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+  "$ncu" --clock-control none --profile-from-start off --set full -f -o /tmp/prof python3 benchmarks/profile_rows.py ${NCU_ROWS:-} &&
+  "$ncu" --import /tmp/prof.ncu-rep --page details &&
+  "$ncu" --import /tmp/prof.ncu-rep --page source --csv --print-source sass | gzip > "$0/ncu_source.csv.gz"' "$OUT"
 stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
 stage bench "${BENCH_TIMEOUT:-260}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
 [[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
