@@ -58,28 +58,21 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int WPR = kBits / 4;  // qweight words per lane per column per 32-k chunk
   constexpr bool kActOrder = GM == 2;
   constexpr int KS = GM == 1 ? 1 : KU;  // scale/zero sets per stage
+  // Prologue: one dependent load before the first weight copy. The padded total and the expert id are loaded
+  // together (expert_ids has an entry for every block of the grid); the pair ids, which only the activation loads
+  // and the epilogue need, are loaded after the first weight stages are issued.
   const int blk = blockIdx.x;
-  if (blk * BLOCK_M >= __ldg(post_padded)) return;  // past the padded total: nothing to do
+  const int padded = __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);
-  if (expert < 0) return;
+  if (blk * BLOCK_M >= padded || expert < 0) return;  // past the padded total, or a padding block
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane >> 2, t = lane & 3;
 
-  // rows of this lane: (mt, h) -> block row (wm*MT + mt)*16 + g + 8h
+  // rows of this lane: (mt, h) -> block row (wm*MT + mt)*16 + g + 8h; filled after the first weight copies
   const unsigned short* a_row[MT][2];
   int pair_of[MT][2];
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int slot = blk * BLOCK_M + (wm * MT + mt) * 16 + g + 8 * h;
-      const int p = __ldg(sorted + slot);
-      const bool valid = p >= 0 && p < num_pairs;  // padding rows hold the sentinel P
-      pair_of[mt][h] = valid ? p : -1;
-      a_row[mt][h] = valid ? a + static_cast<long long>(p / top_k) * K + 8 * t : nullptr;
-    }
 
   int n0[NG];
   bool n_ok[NG];
@@ -273,6 +266,16 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // Pipeline: NST-1 weight stages in flight ahead of the one computed; activations one stage ahead.
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) issue_weights(s, c_begin + s * KU);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int slot = blk * BLOCK_M + (wm * MT + mt) * 16 + g + 8 * h;
+      const int p = __ldg(sorted + slot);
+      const bool valid = p >= 0 && p < num_pairs;  // padding rows hold the sentinel P
+      pair_of[mt][h] = valid ? p : -1;
+      a_row[mt][h] = valid ? a + static_cast<long long>(p / top_k) * K + 8 * t : nullptr;
+    }
   Stage cur, nxt;
   load(cur, c_begin);
   int stage = 0;
@@ -435,9 +438,9 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   if constexpr (kWg) smem += (L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1);
 
   const int blk = blockIdx.x;
-  if (blk * BM >= __ldg(post_padded)) return;
-  const int expert = __ldg(expert_ids + blk);
-  if (expert < 0) return;
+  const int padded = __ldg(post_padded);
+  const int expert = __ldg(expert_ids + blk);  // loaded together with the padded total (see moe_gemm)
+  if (blk * BM >= padded || expert < 0) return;
   {
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
