@@ -229,6 +229,7 @@ def main(argv=None):
                     help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
                          "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
     args = ap.parse_args(argv)
     if args.tiles:
         for cfg in parse_tiles(args.tiles):
@@ -252,7 +253,7 @@ def main(argv=None):
     for model in args.models.split(","):
         for phase in args.phases.split(","):
             for m in (int(v) for v in args.m.split(",")):
-                row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters)
+                row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters, baseline=not args.no_baseline)
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)

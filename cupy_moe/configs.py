@@ -5,10 +5,9 @@ docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
   (128 k) per pipeline stage, a lane-private cp.async weight ring (`stages - 1` stages in flight; activations,
-  scales and zeros in registers one stage ahead, two register stages used in turn); each lane dequantizes its own
-  B fragments in registers. When a stage lies in one group (G % 128 == 0: group mode 1) the zeros are unpacked once
-  per stage and, with one m16 tile, the scales multiply the stage's fp32 products instead of every weight; else
-  scale/zero are unpacked once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. (Measured 2026-12-03:
+  scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
+  are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
+  (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. (Measured 2026-12-03:
   carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower on the
   geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
@@ -63,8 +62,7 @@ MODEL_SHAPES = {
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
-# (about 162 registers at G = 128, up to 168 otherwise) and 32 x 128 (165-168 at G = 128; 177-211 for G = 32/64 and
-# act-order, which then run 2 per SM): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
+# (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
 RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 _MAX_SPLIT = 16
 

@@ -181,11 +181,8 @@ __device__ __forceinline__ GroupConst group_const(unsigned short s_bits, int z) 
 // (w = round((q - z) * s), q - z exact).
 // fp16 4-bit: the odd nibbles are taken in place (16 q), 1024 + 16 q is exact, and one fma by 1/16 with
 // -(64 + z) gives q - z exactly, so only one shift per word is needed.
-// kScale false: the exact integers q - z (|q - z| < 256: exact in fp16 and bf16) without the scale, for a caller
-// that multiplies its fp32 accumulators by the scale instead (4 fewer multiplies per word).
-template <bool kBf16, int kBits, bool kScale = true>
+template <bool kBf16, int kBits>
 __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const GroupConst& c, u32 (&out)[4]) {
-  auto scale = [&](u32 x) { return kScale ? hmul2(x, c.ss) : x; };
   if constexpr (!kBf16) {
     if constexpr (kBits == 4) {
       const u32 q8 = q[0] >> 8;
@@ -193,15 +190,15 @@ __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const Group
       const u32 p1 = and_or(q[0], 0x00F000F0u, 0x64006400u);
       const u32 p2 = and_or(q8, 0x000F000Fu, 0x64006400u);
       const u32 p3 = and_or(q8, 0x00F000F0u, 0x64006400u);
-      out[0] = scale(hsub2(p0, c.zlo));
-      out[1] = scale(hfma2(p1, 0x2C002C00u, c.zhi));
-      out[2] = scale(hsub2(p2, c.zlo));
-      out[3] = scale(hfma2(p3, 0x2C002C00u, c.zhi));
+      out[0] = hmul2(hsub2(p0, c.zlo), c.ss);
+      out[1] = hmul2(hfma2(p1, 0x2C002C00u, c.zhi), c.ss);
+      out[2] = hmul2(hsub2(p2, c.zlo), c.ss);
+      out[3] = hmul2(hfma2(p3, 0x2C002C00u, c.zhi), c.ss);
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const u32 codes = prmt(q[i >> 1], 0x64646464u, (i & 1) ? 0x7352u : 0x7150u);
-        out[i] = scale(hsub2(codes, c.zlo));
+        out[i] = hmul2(hsub2(codes, c.zlo), c.ss);
       }
     }
   } else {
@@ -209,8 +206,7 @@ __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const Group
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const u32 code = kBits == 4 ? (q[0] >> (4 * j)) & 15u : (q[j >> 2] >> (8 * (j & 3))) & 255u;
-      v[j] = __uint_as_float(0x4B000000u | code) - c.zf;
-      if constexpr (kScale) v[j] *= c.sf;
+      v[j] = (__uint_as_float(0x4B000000u | code) - c.zf) * c.sf;
     }
     if constexpr (kBits == 4) {
 #pragma unroll

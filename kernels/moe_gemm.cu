@@ -138,43 +138,35 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     gptq::cp_async_commit();
   };
 
-  // Group mode 1 scales after the mma: the B operand is the exact q - z, each stage's products go to fp32 partial
-  // accumulators, and those are multiplied by the scales of the lane's 8 accumulator columns n0 + 8t .. + 7 (one
-  // 16-byte load, `so`) and added up. This saves one multiply per weight pair and is closer to the exact sum than
-  // rounding every weight to fp16 first.
-  constexpr bool kPost = GM == 1 && MT == 1;  // with two m tiles the partial accumulators would cost a CTA per SM
   // Activations, scales and zeros: registers, one stage ahead.
   struct Stage {
     uint4 x[KU][MT][2];
-    uint2 s[KS][NG];   // scales of the lane's 4 B columns n0 + 4g .. + 3 (not kPost)
-    uint4 so[NG];      // kPost
+    uint2 s[KS][NG];
     u32 z[KS][NG];
   };
-  // Chunks past the slice end are not loaded: compute stops before them, so their registers are never read.
-  // grp1: the stage's group in group mode 1 (the caller counts groups; a division per stage costs ~15 instructions).
-  auto load = [&](Stage& st, int c0, int grp1) {
+  auto load = [&](Stage& st, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int c = c0 + u;
-      if (c >= c_end) break;
+      const bool in = c < c_end;
       const int k0 = c * 32;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) st.x[u][mt][h] = __ldg(reinterpret_cast<const uint4*>(a_row[mt][h] + k0));
-      if constexpr (!kActOrder) {
-        if (u >= KS) continue;
-        const int grp = GM == 1 ? grp1 : k0 / group_len;
+        for (int h = 0; h < 2; ++h)
+          st.x[u][mt][h] = (in && a_row[mt][h]) ? __ldg(reinterpret_cast<const uint4*>(a_row[mt][h] + k0))
+                                                : make_uint4(0, 0, 0, 0);
+      const int grp = k0 / group_len;
 #pragma unroll
-        for (int ng = 0; ng < NG; ++ng) {
-          if (!n_ok[ng]) continue;  // compute skips the group too
-          if constexpr (kPost)
-            st.so[ng] = __ldg(reinterpret_cast<const uint4*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 8 * t));
-          else
-            st.s[u][ng] = __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 4 * g));
-          st.z[u][ng] = qz_e ? static_cast<u32>(__ldg(qz_e + static_cast<long long>(grp) * zwords +
-                                                      (n0[ng] + 4 * g) * kBits / 32))
-                             : 0u;
+      for (int ng = 0; ng < NG; ++ng) {
+        const bool ok = in && n_ok[ng];
+        if constexpr (!kActOrder) {
+          if (u >= KS) continue;
+          st.s[u][ng] = ok ? __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 4 * g))
+                           : make_uint2(0, 0);
+          st.z[u][ng] = (ok && qz_e) ? static_cast<u32>(__ldg(qz_e + static_cast<long long>(grp) * zwords +
+                                                                  (n0[ng] + 4 * g) * kBits / 32))
+                                     : 0u;
         }
       }
     }
@@ -183,26 +175,13 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // per-(set, ng, col) dequantization constants, built from the stage's scale/zero words
   auto unpack = [&](const Stage& st, int u, int ng, int col) -> gptq::GroupConst {
     const u32 sw = col < 2 ? st.s[u][ng].x : st.s[u][ng].y;
-    // kPost: the scale is applied to the accumulators; the dequantizer does not read it
-    const unsigned short sb = kPost ? 0 : static_cast<unsigned short>(sw >> (16 * (col & 1)));
+    const unsigned short sb = static_cast<unsigned short>(sw >> (16 * (col & 1)));
     int zc = kSymZero;
     if (qz_e) zc = kBits == 4 ? (st.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (st.z[u][ng] >> (8 * col)) & 255u;
     return gptq::group_const<kBf16>(sb, zc);
   };
 
   auto compute = [&](const Stage& st, int stage, int c0) {
-    float part[kPost ? MT : 1][NG][4][4];  // kPost: this stage's unscaled products
-    float (&dst)[MT][NG][4][4] = *reinterpret_cast<float (*)[MT][NG][4][4]>(kPost ? &part[0] : &acc[0]);
-    if constexpr (kPost) {
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) part[mt][ng][j][r] = 0.f;
-    }
     gptq::GroupConst gcs[NG][4];
     if constexpr (GM == 1) {  // once per stage: every chunk of the stage is in the same group
 #pragma unroll
@@ -268,34 +247,18 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
           } else if constexpr (kActOrder) {
             gptq::dequant8<kBf16, kBits>(q, s_bits[col], z[col], b);
           } else {
-            gptq::dequant8u<kBf16, kBits, !kPost>(q, gcs[ng][col], b);
+            gptq::dequant8u<kBf16, kBits>(q, gcs[ng][col], b);
           }
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             if constexpr (kProbe & 4) {
-              dst[mt][ng][col][0] += __uint_as_float((b[0] ^ b[1] ^ b[2] ^ b[3] ^ a0[mt][0] ^ a1[mt][0]) & 0x3FFFFFFFu);
+              acc[mt][ng][col][0] += __uint_as_float((b[0] ^ b[1] ^ b[2] ^ b[3] ^ a0[mt][0] ^ a1[mt][0]) & 0x3FFFFFFFu);
             } else {
-              gptq::mma16816<kBf16>(dst[mt][ng][col], a0[mt], b[0], b[1]);
-              gptq::mma16816<kBf16>(dst[mt][ng][col], a1[mt], b[2], b[3]);
+              gptq::mma16816<kBf16>(acc[mt][ng][col], a0[mt], b[0], b[1]);
+              gptq::mma16816<kBf16>(acc[mt][ng][col], a1[mt], b[2], b[3]);
             }
           }
         }
-      }
-    }
-    if constexpr (kPost) {  // accumulator (j, r) holds real column n0 + 8t + j + 4 (r & 1)
-#pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        if (!n_ok[ng]) continue;
-        const u32 sw[4] = {st.so[ng].x, st.so[ng].y, st.so[ng].z, st.so[ng].w};
-        float sc[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sc[i] = gptq::half_bits_to_float(static_cast<unsigned short>(sw[i >> 1] >> (16 * (i & 1))));
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-#pragma unroll
-            for (int r = 0; r < 4; ++r) acc[mt][ng][j][r] += part[mt][ng][j][r] * sc[j + 4 * (r & 1)];
       }
     }
   };
@@ -311,38 +274,18 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       const int p = __ldg(sorted + slot);
       const bool valid = p >= 0 && p < num_pairs;  // padding rows hold the sentinel P
       pair_of[mt][h] = valid ? p : -1;
-      // a padding row reads row 0 (any real row will do: its results are never stored), so the activation loads
-      // need no predicate and no zero fill
-      a_row[mt][h] = a + static_cast<long long>(valid ? p / top_k : 0) * K + 8 * t;
+      a_row[mt][h] = valid ? a + static_cast<long long>(p / top_k) * K + 8 * t : nullptr;
     }
-  // group mode 1: the load cursor's group and its chunk offset in it (a stage never straddles a group)
-  const int cpg = group_len / 32;
-  int grp_ld = c_begin / cpg, off_ld = c_begin % cpg;
-  auto next_group = [&]() {
-    if constexpr (GM == 1) {
-      off_ld += KU;
-      if (off_ld >= cpg) {
-        off_ld -= cpg;
-        ++grp_ld;
-      }
-    }
-  };
-  // Two register stages used in turn (the loop is unrolled by two), so no stage is copied.
-  Stage sa, sb;
-  load(sa, c_begin, grp_ld);
+  Stage cur, nxt;
+  load(cur, c_begin);
   int stage = 0;
-  auto step = [&](Stage& cur, Stage& nxt, int c0) {
+  for (int c0 = c_begin; c0 < c_end; c0 += KU) {
     issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-filled
-    next_group();
-    if (c0 + KU < c_end) load(nxt, c0 + KU, grp_ld);
+    if (c0 + KU < c_end) load(nxt, c0 + KU);
     gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
     compute(cur, stage, c0);
-    stage = stage + 1 == NST ? 0 : stage + 1;
-  };
-  for (int c0 = c_begin; c0 < c_end; c0 += 2 * KU) {
-    step(sa, sb, c0);
-    if (c0 + KU >= c_end) break;
-    step(sb, sa, c0 + KU);
+    cur = nxt;
+    stage = (stage + 1) % NST;
   }
   gptq::cp_async_wait<0>();
 

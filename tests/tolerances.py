@@ -5,8 +5,6 @@ in, so nothing is rounded before the end). Reasoning:
 - fp16: the kernel rounds each dequantized weight to fp16 (relative error <= 2^-11, rms ~2^-11/sqrt(3) ~ 2.8e-4)
   and the output once (~2.8e-4 rms); fp32 accumulation adds far less. Together ~4e-4 rms, so 1e-3 leaves 2.5x
   margin and still catches a wrong group, zero, scale or k order (those give errors of order 1e-1 to 1).
-  (The decode kernel with one group per pipeline stage multiplies exact q - z products by the scale in fp32
-  instead of rounding each weight, so its error is the output rounding alone; the bar is the worst case.)
 - bf16: the same two roundings at 2^-8 (~2.2e-3 rms each), ~3.2e-3 together: bar 8e-3.
 NaN never passes. Never loosen these to make a test green.
 """
