@@ -22,6 +22,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -89,7 +90,8 @@ def random_weight(e, k, n, rng_seed):
 
 def prepare_row(model, phase, m, rotations=8):
     """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2).
-    Returns a dict with the shapes, the config and `call(i)`, which runs our GEMM on input set i % rotations."""
+    Returns a namespace with the shapes, the config, the inputs and `call(i)`, which runs our GEMM on input set
+    i % rotations."""
     h, inter, e, a_top = MODELS[model]
     if phase == "gate_up":
         k, n, top_k, rows = h, 2 * inter, a_top, m
@@ -118,15 +120,13 @@ def prepare_row(model, phase, m, rotations=8):
         x, s, eid, post, out, _, _ = sets[i % rotations]
         fused_moe_gemm(x, weights[i % copies], s, eid, post, top_k, out=out)
 
-    return dict(k=k, n=n, top_k=top_k, rows=rows, p=p, cfg=cfg, weights=weights, copies=copies, sets=sets,
-                w_bytes_expert=w_bytes_expert, call=call)
+    return SimpleNamespace(k=k, n=n, top_k=top_k, rows=rows, p=p, cfg=cfg, weights=weights, copies=copies,
+                           sets=sets, w_bytes_expert=w_bytes_expert, call=call)
 
 
 def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True):
-    row = prepare_row(model, phase, m, rotations)
-    k, n, top_k, rows, p, cfg = (row[f] for f in ("k", "n", "top_k", "rows", "p", "cfg"))
-    weights, copies, sets, w_bytes_expert, ours = (row[f] for f in ("weights", "copies", "sets", "w_bytes_expert",
-                                                                     "call"))
+    r = prepare_row(model, phase, m, rotations)
+    k, n, p, sets, ours = r.k, r.n, r.p, r.sets, r.call
 
     # Our kernel is timed as replays of a CUDA graph holding one call per rotation (as a serving engine runs
     # it): the launcher's Python checks stay out of the GPU time, launch gaps inside the graph stay in.
@@ -140,29 +140,34 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
         graph = stream.end_capture()
         t = timed(lambda i: graph.launch(stream), max(5, iters // 2), warmup=2) / rotations
 
-    # baseline: per touched expert dequantize + matmul (the host knows the routing: a baseline may sync)
-    dense = cp.empty((k, n), cp.float16)
+    t_base = baseline_time(r, iters) if baseline else float("nan")
+    touched = float(np.mean([st[6] for st in sets]))
+    traffic = touched * r.w_bytes_expert + r.rows * k * 2 + p * n * 2
+    flops = 2.0 * p * k * n
+    floor_t = traffic / copy_bw
+    return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, split_k=r.cfg.split_k,
+                time_us=t * 1e6, tbps=traffic / t / 1e12, tflops=flops / t / 1e12,
+                floor_ratio=floor_t / t, flop_ratio=flops / t / mm_rate, baseline_us=t_base * 1e6,
+                baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
+
+
+def baseline_time(r, iters):
+    """Per touched expert dequantize + matmul on the inputs of prepare_row (the host knows the routing: a baseline
+    may sync); median seconds per call."""
+    dense = cp.empty((r.k, r.n), cp.float16)
     plans = []
-    for x, _, _, _, out, ids_rows, _ in sets:
+    for _, _, _, _, _, ids_rows, _ in r.sets:
         flat = ids_rows.reshape(-1)
         plans.append([(int(ex), cp.asarray(np.nonzero(flat == ex)[0].astype(np.int64))) for ex in np.unique(flat)])
 
     def baseline_call(i):
-        x, _, _, _, out, _, _ = sets[i % rotations]
-        wt = weights[i % copies]
-        for ex, pairs in plans[i % rotations]:
-            _DEQUANT(wt.qweight[ex], wt.scales[ex], wt.qzeros[ex], k, n, G, dense)
-            out[pairs] = cp.matmul(x[pairs // top_k], dense)
+        x, _, _, _, out, _, _ = r.sets[i % len(r.sets)]
+        wt = r.weights[i % r.copies]
+        for ex, pairs in plans[i % len(r.sets)]:
+            _DEQUANT(wt.qweight[ex], wt.scales[ex], wt.qzeros[ex], r.k, r.n, G, dense)
+            out[pairs] = cp.matmul(x[pairs // r.top_k], dense)
 
-    t_base = timed(baseline_call, max(3, min(iters, 10)), warmup=2) if baseline else float("nan")
-    touched = float(np.mean([st[6] for st in sets]))
-    traffic = touched * w_bytes_expert + rows * k * 2 + p * n * 2
-    flops = 2.0 * p * k * n
-    floor_t = traffic / copy_bw
-    return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=cfg.block_m, split_k=cfg.split_k,
-                time_us=t * 1e6, tbps=traffic / t / 1e12, tflops=flops / t / 1e12,
-                floor_ratio=floor_t / t, flop_ratio=flops / t / mm_rate, baseline_us=t_base * 1e6,
-                baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
+    return timed(baseline_call, max(3, min(iters, 10)), warmup=2)
 
 
 def parse_tiles(spec):

@@ -25,13 +25,13 @@ def main(argv):
         model, phase, m = item.split(":")
         row = bg.prepare_row(model, phase, int(m), rotations=2)
         for i in range(3):
-            row["call"](i)
+            row.call(i)
         cp.cuda.Device().synchronize()
         cp.cuda.profiler.start()
-        row["call"](1)
+        row.call(1)
         cp.cuda.Device().synchronize()
         cp.cuda.profiler.stop()
-        print(f"profiled {model} {phase} M={m}: {row['cfg']}", flush=True)
+        print(f"profiled {model} {phase} M={m}: {row.cfg}", flush=True)
         del row
         cp.get_default_memory_pool().free_all_blocks()
 
