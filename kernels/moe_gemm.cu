@@ -106,9 +106,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
 
   // One stage = KU chunks of 32 k: activations, weight words, and (without act-order) scales and zeros.
-  // Weights: a ring of stages in shared memory, so that many stages stay in flight at no register cost.
-  // Each lane copies (cp.async) the 16 bytes it will read itself, so no barrier is needed; slot layout
-  // [stage][word][lane]: a warp touches 512 contiguous bytes.
+  // Weights: a ring of stages in shared memory, so that many stages stay in flight at no register cost. Each warp
+  // fills and reads its own 512-byte slots (layout [stage][word][warp's 32 pieces]), so no CTA barrier is needed.
   constexpr int THREADS = WM * WN * 32;
   constexpr int WORDS = KU * NG * WPR;
   // ring depth under the 48 KiB static shared-memory limit: 8-bit stages hold twice the bytes, so half as many (at
@@ -116,9 +115,20 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int NST = kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
   static_assert(NST >= 2, "ring depth");
   __shared__ uint4 ring[NST * WORDS * THREADS];
-  auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* {
-    return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS + threadIdx.x;
+  // A warp's copy instruction covers four 128-byte row runs (one per t). Lane l copies piece l: row l / 8, the
+  // 16 bytes that reader (g, t) = ((l % 8 - 2 * (l / 8)) % 8, l / 8) needs, so each quarter-warp reads one whole run
+  // and the warp writes 512 contiguous bytes; the reader finds its piece at 8t + (g + 2t) % 8 (the 8 lanes of a
+  // 16-byte shared-memory phase hit 8 different bank quads). Lanes read what other lanes copied, hence the two
+  // __syncwarp() in the main loop. (H200, 2026-12-03, benchmarks/ab_kernels.sh: against each lane copying its own
+  // piece, 1-12% faster with 16-row blocks, most at M = 1, and within 1.5% with 32-row blocks. Nsight Compute had
+  // counted 32 shared-memory wavefronts per copy instruction of the old mapping, against 4 ideal.)
+  const int cp_row = lane >> 3;
+  const int cp_col = ((lane & 7) - 2 * cp_row) & 7;
+  const int rd_pos = warp * 32 + 8 * t + ((g + 2 * t) & 7);
+  auto ring_base = [&](int stage, int u, int ng, int r) -> uint4* {
+    return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS;
   };
+  auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* { return ring_base(stage, u, ng, r) + rd_pos; };
   auto issue_weights = [&](int stage, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
@@ -129,9 +139,10 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
 #pragma unroll
         for (int r = 0; r < WPR; ++r) {
-          const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * t + r) * N + n0[ng] + 4 * g
+          const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * cp_row + r) * N + n0[ng] +
+                                    4 * cp_col
                               : qw_e;
-          gptq::cp_async16(ring_slot(stage, u, ng, r), src, ok);
+          gptq::cp_async16(ring_base(stage, u, ng, r) + threadIdx.x, src, ok);
         }
       }
     }
@@ -280,9 +291,11 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   load(cur, c_begin);
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
+    __syncwarp();  // every lane is done reading the slot refilled next
     issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-filled
     if (c0 + KU < c_end) load(nxt, c0 + KU);
     gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
+    __syncwarp();  // ... including the pieces other lanes copied
     compute(cur, stage, c0);
     cur = nxt;
     stage = (stage + 1) % NST;
