@@ -145,7 +145,8 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
     traffic = touched * r.w_bytes_expert + r.rows * k * 2 + p * n * 2
     flops = 2.0 * p * k * n
     floor_t = traffic / copy_bw
-    return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, split_k=r.cfg.split_k,
+    return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, block_n=r.cfg.block_n,
+                split_k=r.cfg.split_k,
                 time_us=t * 1e6, tbps=traffic / t / 1e12, tflops=flops / t / 1e12,
                 floor_ratio=floor_t / t, flop_ratio=flops / t / mm_rate, baseline_us=t_base * 1e6,
                 baseline_ratio=t_base / t, traffic_floor_us=floor_t * 1e6)
@@ -197,6 +198,8 @@ def use_tile(cfg):
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
     name = {16: "DECODE", 32: "DECODE_32", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
     setattr(configs, name, cfg)
+    if cfg.block_m == 16:  # every 16-row problem runs the given shape
+        configs.WIDE_MIN_CTAS = math.inf
 
 
 def set_probe(bits):
@@ -234,12 +237,17 @@ def main(argv=None):
                     help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
                          "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
+    ap.add_argument("--wide-min-ctas", type=float, default=None,
+                    help="tuning: override configs.WIDE_MIN_CTAS (0: every 16-row problem runs DECODE_WIDE; inf: none)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
     args = ap.parse_args(argv)
     if args.tiles:
         for cfg in parse_tiles(args.tiles):
             use_tile(cfg)
             print(f"# tile override {cfg}")
+    if args.wide_min_ctas is not None:
+        configs.WIDE_MIN_CTAS = args.wide_min_ctas
+        print(f"# WIDE_MIN_CTAS = {args.wide_min_ctas}")
     if args.rows_64_max is not None:
         configs.ROWS_64_MAX = args.rows_64_max
         print(f"# ROWS_64_MAX = {args.rows_64_max}")
@@ -262,7 +270,8 @@ def main(argv=None):
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)
-                print(f"{model:18s} {phase:7s} {m:5d} {row['block_m']:3d} {row['split_k']:2d} {row['time_us']:9.1f} "
+                shape = f"{row['block_m']}w" if row["block_m"] == 16 and row["block_n"] > 128 else str(row["block_m"])
+                print(f"{model:18s} {phase:7s} {m:5d} {shape:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
                       f"{row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} {row['flop_ratio']:6.2f} "
                       f"{row['baseline_us']:9.1f} {row['baseline_ratio']:7.2f}  {'pass' if row['pass'] else 'FAIL'}",
                       flush=True)

@@ -4,12 +4,20 @@ Two kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.
 docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
-  (128 k) per pipeline stage, a lane-private cp.async weight ring (`stages - 1` stages in flight; activations,
+  (128 k) per pipeline stage, a warp-private cp.async weight ring (`stages - 1` stages in flight; activations,
   scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
   are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
   (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. (Measured 2026-12-03:
   carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower on the
   geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
+- `moe_gemm` 16 x 256 (DECODE_WIDE: two 32-column groups per warp, 64-k stages): each activation fragment and its
+  operand shuffles serve twice the weights. Used for 16-row problems with at least WIDE_MIN_CTAS = 1024 CTAs of
+  256 columns (blocks x column tiles, estimated with touched = min(E, P)). H200, 2026-12-03 15:01 UTC, the 46
+  16-row rows of bench_gemm.py (M = 1-256), each run both ways in one call: at >= 1024 CTAs the wide shape took
+  0.933-1.004 of the 128-column time on all 15 rows (DeepSeek-V3 down M = 64 787 against 844 us, Qwen3-30B-A3B down
+  M = 16 38.6 against 40.1 us); below, it lost on 19 of 31 rows (Qwen1.5-MoE-A2.7B down M = 1 10.5 against 8.0 us,
+  DeepSeek-V2-Lite down M = 64 59.8 against 53.8 us), though it won on some (Mixtral-8x7B gate/up M = 1 68.9
+  against 73.4 us).
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
   `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
   cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
@@ -45,6 +53,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 __all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS",
+           "DECODE_WIDE", "WIDE_MIN_CTAS",
            "kernel_instance", "all_name_expressions", "MODEL_SHAPES", "tuned_cache_path", "tuning_key",
            "tuned_table", "save_tuned", "hopper_enabled"]
 
@@ -131,6 +140,9 @@ class GemmConfig:
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
 DECODE_32 = GemmConfig(mt=2, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # two m16 tiles share each dequantized weight
+# 16-row blocks, 256 columns: each activation fragment feeds two column groups (problems with many CTAs)
+DECODE_WIDE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=2, ku=2, stages=2)
+WIDE_MIN_CTAS = 1024  # 16-row problems with at least this many (block, 256-column tile) CTAs run DECODE_WIDE
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
 KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)}
@@ -166,7 +178,7 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
         for bf16 in (False, True):
             for bits in (4, 8):
-                for cfg in KERNEL_SHAPES.values():
+                for cfg in (*KERNEL_SHAPES.values(), DECODE_WIDE):
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
                         names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))
@@ -182,12 +194,12 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     Returns a GemmConfig; its `block_m` is the block size to align with.
     A configuration measured by `python -m cupy_moe tune` for this GPU and problem wins over the heuristic.
     """
-    tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
-    if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
-        return replace(KERNEL_SHAPES[tuned["block_m"]], split_k=tuned["split_k"])
     pairs = max(1, m * a)
     touched = min(e, pairs)
     rows = pairs / touched
+    tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
+    if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
+        return replace(_widen(KERNEL_SHAPES[tuned["block_m"]], touched, rows, n), split_k=tuned["split_k"])
     if block_m is None:
         base = (DECODE if rows <= ROWS_16_MAX else DECODE_32 if rows <= ROWS_32_MAX else
                 PREFILL if rows <= ROWS_64_MAX else PREFILL_128)
@@ -195,6 +207,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
         base = KERNEL_SHAPES[block_m]
     else:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
+    base = _widen(base, touched, rows, n)
     blocks = touched * -(-int(rows + 0.999) // base.block_m)  # live m-blocks, about
     n_tiles = -(-n // base.block_n)
     ctas = blocks * n_tiles
@@ -205,6 +218,14 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
     return replace(base, split_k=split)
+
+
+def _widen(base: GemmConfig, touched: int, rows: float, n: int) -> GemmConfig:
+    """DECODE_WIDE in place of the 16-row shape when the problem has at least WIDE_MIN_CTAS CTAs of 256 columns."""
+    if base.block_m != 16:
+        return base
+    ctas = touched * -(-int(rows + 0.999) // 16) * -(-n // DECODE_WIDE.block_n)
+    return DECODE_WIDE if ctas >= WIDE_MIN_CTAS else base
 
 
 # ---------------------------------------------------------------- tuned configurations

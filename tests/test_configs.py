@@ -25,6 +25,23 @@ def test_heuristic_block_sizes_follow_rows_per_expert():
     assert 1 < cfg.split_k <= 16  # few tiles: split-K fills the SMs
 
 
+def test_wide_decode_shape_only_for_many_ctas(fake_gpu, monkeypatch):
+    # DeepSeek-V3 down M = 16: 128 blocks x 28 tiles of 256 columns = 3584 CTAs -> 16 x 256
+    wide = configs.choose_config(128, 256, 1, 2048, 7168, 4, 128)
+    assert (wide.block_m, wide.block_n) == (16, 256) and wide.kind == "reg"
+    # Qwen2-57B-A14B down M = 16: 64 x 14 = 896 CTAs, and Mixtral-8x7B gate/up M = 1: 2 x 112 = 224 -> 16 x 128
+    assert configs.choose_config(128, 64, 1, 2560, 3584, 4, 128).block_n == 128
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_n == 128
+    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).block_m == 32  # other block sizes never widen
+    monkeypatch.setattr(configs, "WIDE_MIN_CTAS", 0)
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_n == 256
+    # a tuned (block_m, split_k) keeps the width rule; its split is used as stored
+    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 7}})
+    tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
+    assert (tuned.block_n, tuned.split_k) == (256, 7)
+    assert any(", 2, 2, 2, " in name for name in configs.all_name_expressions())  # ng = 2, ku = 2, stages = 2
+
+
 def test_split_k_weighs_waves_against_short_slices():
     # Mixtral-8x7B M = 1 (2 experts) on 396 decode slots: gate/up 448 CTAs of 32 stages would leave a second wave of
     # 52 CTAs: 3 slices (4 waves of 11 stages); down 64 CTAs of 112 stages: 6 slices (384 CTAs, one wave)
