@@ -7,7 +7,8 @@
 #   (Nsight Compute on the rows of benchmarks/profile_rows.py, $NCU_ROWS: details and per-instruction stall samples).
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
 # STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py;
-# TESTS_ARGS to pytest (default: the whole suite; "-m gpu tests" runs only the tests that need the GPU).
+# TESTS_ARGS to pytest (default: the whole suite, whose NVRTC compile test alone takes about 3 minutes on a CPU
+# machine; "-m gpu tests" runs only the tests that need the GPU, about 90 s on an H200).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -29,7 +30,7 @@ stage ncu "${NCU_TIMEOUT:-300}" "$OUT/ncu.txt" bash -c 'ncu=$(command -v ncu || 
   "$ncu" --clock-control none --profile-from-start off --set full -f -o /tmp/prof python3 benchmarks/profile_rows.py ${NCU_ROWS:-} &&
   "$ncu" --import /tmp/prof.ncu-rep --page details &&
   "$ncu" --import /tmp/prof.ncu-rep --page source --csv --print-source sass | gzip > "$0/ncu_source.csv.gz"' "$OUT"
-stage tests "${TESTS_TIMEOUT:-150}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
+stage tests "${TESTS_TIMEOUT:-400}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
 stage bench "${BENCH_TIMEOUT:-260}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
 [[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 stage demo "${DEMO_TIMEOUT:-80}" "$OUT/demo.txt" python3 -m cupy_moe demo

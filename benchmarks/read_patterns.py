@@ -6,7 +6,8 @@ reading the same bytes, against the device-to-device copy bandwidth measured in 
 strip SEG bytes wide down a slice of rows (linear: the buffer seen as contiguous 16 KiB segments), with
 
 - loads: 16-byte loads into registers, 4 in flight per thread;
-- cp.async: a lane-private shared-memory ring 4 stages deep (the decode kernel's way; 512 B strips are its pattern);
+- cp.async: a lane-private shared-memory ring 4 stages deep (like the decode kernel's ring; 512 B strips are its
+  pattern);
 - bulk: one thread issues cp.async.bulk copies (the TMA engine, no per-thread requests) of each row segment into a
   ring 4 stages deep, completion on mbarriers.
 Each pattern xors every word it reads into a checksum that the host verifies.
