@@ -120,7 +120,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // and the warp writes 512 contiguous bytes; the reader finds its piece at 8t + (g + 2t) % 8 (the 8 lanes of a
   // 16-byte shared-memory phase hit 8 different bank quads). Lanes read what other lanes copied, hence the two
   // __syncwarp() in the main loop. (H200, 2026-12-03, benchmarks/ab_kernels.sh: against each lane copying its own
-  // piece, 1-12% faster with 16-row blocks, most at M = 1, and within 1.5% with 32-row blocks. Nsight Compute had
+  // piece, 0.6-12% faster with 16-row blocks, most at M = 1, and within 1.5% with 32-row blocks. Nsight Compute had
   // counted 32 shared-memory wavefronts per copy instruction of the old mapping, against 4 ideal.)
   const int cp_row = lane >> 3;
   const int cp_col = ((lane & 7) - 2 * cp_row) & 7;
