@@ -88,18 +88,24 @@ def random_weight(e, k, n, rng_seed):
     return StackedGptqWeight(qweight, scales, qzeros, None, bits=BITS, group_size=G)
 
 
-def prepare_row(model, phase, m, rotations=8):
-    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2).
-    Returns a namespace with the shapes, the config, the inputs and `call(i)`, which runs our GEMM on input set
-    i % rotations."""
-    h, inter, e, a_top = MODELS[model]
+def phase_shape(model, phase, m):
+    """(K, N, top_k, activation rows, packed weight bytes of one expert) of one phase at M tokens."""
+    h, inter, _, a_top = MODELS[model]
     if phase == "gate_up":
         k, n, top_k, rows = h, 2 * inter, a_top, m
     else:
         k, n, top_k, rows = inter, h, 1, m * a_top
+    return k, n, top_k, rows, k * n // 2 + (k // G) * n * 2 + (k // G) * (n // 8) * 4
+
+
+def prepare_row(model, phase, m, rotations=8):
+    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2).
+    Returns a namespace with the shapes, the config, the inputs and `call(i)`, which runs our GEMM on input set
+    i % rotations."""
+    _, _, e, a_top = MODELS[model]
+    k, n, top_k, rows, w_bytes_expert = phase_shape(model, phase, m)
     p = rows * top_k
     rng = np.random.default_rng(m * 7 + len(model))
-    w_bytes_expert = k * n // 2 + (k // G) * n * 2 + (k // G) * (n // 8) * 4
     copies = max(1, min(4, math.ceil(512 * 2**20 / (w_bytes_expert * e))))
     weights = [random_weight(e, k, n, 11 + c) for c in range(copies)]
     cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G)

@@ -15,12 +15,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
-from bench_gemm import G, MODELS, copy_bandwidth  # noqa: E402
+from bench_gemm import MODELS, copy_bandwidth, phase_shape  # noqa: E402
+from cupy_moe.tune import _graph_time  # noqa: E402
 
 _SRC = r"""
 extern "C" __global__ void empty_kernel(int* sink) {}
@@ -38,26 +37,8 @@ CALLS = 8
 
 
 def graph_time(fn, reps=20):
-    """Median per-call seconds of a CUDA graph holding fn(0..CALLS-1)."""
-    stream = cp.cuda.Stream(non_blocking=True)
-    with stream:
-        for i in range(CALLS):
-            fn(i)
-        stream.begin_capture()
-        for i in range(CALLS):
-            fn(i)
-        graph = stream.end_capture()
-        for _ in range(3):
-            graph.launch(stream)
-        times = []
-        for _ in range(reps):
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            start.record(stream)
-            graph.launch(stream)
-            end.record(stream)
-            end.synchronize()
-            times.append(cp.cuda.get_elapsed_time(start, end) * 1e-3 / CALLS)
-    return float(np.median(times))
+    """Median per-call seconds of a CUDA graph holding fn(0..CALLS-1) (the timing of python -m cupy_moe tune)."""
+    return _graph_time(cp, cp.cuda.Stream(non_blocking=True), [lambda i=i: fn(i) for i in range(CALLS)], reps)
 
 
 def read_time(kernel, n16, sink):
@@ -67,10 +48,9 @@ def read_time(kernel, n16, sink):
 
 
 def row_bytes(model, phase, m):
-    h, inter, e, a_top = MODELS[model]
-    k, n, rows, top_k = (h, 2 * inter, m, a_top) if phase == "gate_up" else (inter, h, m * a_top, 1)
+    _, _, e, a_top = MODELS[model]
+    k, n, top_k, rows, w_bytes = phase_shape(model, phase, m)
     touched = min(e, m * a_top) if m == 1 else e * (1 - (1 - a_top / e) ** m)
-    w_bytes = k * n // 2 + (k // G) * n * 2 + (k // G) * (n // 8) * 4
     return touched * w_bytes + rows * k * 2 + rows * top_k * n * 2
 
 

@@ -208,7 +208,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     else:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
     base = _widen(base, touched, rows, n)
-    blocks = touched * -(-int(rows + 0.999) // base.block_m)  # live m-blocks, about
+    blocks = _blocks(touched, rows, base.block_m)
     n_tiles = -(-n // base.block_n)
     ctas = blocks * n_tiles
     chunks = max(1, k // 32)
@@ -224,8 +224,13 @@ def _widen(base: GemmConfig, touched: int, rows: float, n: int) -> GemmConfig:
     """DECODE_WIDE in place of the 16-row shape when the problem has at least WIDE_MIN_CTAS CTAs of 256 columns."""
     if base.block_m != 16:
         return base
-    ctas = touched * -(-int(rows + 0.999) // 16) * -(-n // DECODE_WIDE.block_n)
+    ctas = _blocks(touched, rows, 16) * -(-n // DECODE_WIDE.block_n)
     return DECODE_WIDE if ctas >= WIDE_MIN_CTAS else base
+
+
+def _blocks(touched: int, rows: float, block_m: int) -> int:
+    """Live m-blocks of the aligned pair list, about: touched experts x blocks of their average row count."""
+    return touched * -(-int(rows + 0.999) // block_m)
 
 
 # ---------------------------------------------------------------- tuned configurations
