@@ -10,6 +10,14 @@ for i in range(6):
                 kind="uniform", block_m=[16, 32, 64, 128][i % 4])
     case["a"] = int(min(case["e"], 1 + i % 3))
     t.run_case(rng, **case)
+# the prefill kernel with an odd number of 32-k chunks (its last 64-k stage half zero-filled), and the 256-column
+# decode shape (forced: at this size the heuristic picks the 128-column one)
+common = dict(bits=4, sym=False, act_order=False, dtype_name="float16", routed=True, kind="uniform")
+t.run_case(rng, e=3, m=90, a=2, k=96, n=96, group_size=32, block_m=128, **common)
+from cupy_moe import configs
+wide_min, configs.WIDE_MIN_CTAS = configs.WIDE_MIN_CTAS, 0
+t.run_case(rng, e=4, m=3, a=2, k=512, n=160, group_size=128, block_m=16, **common)
+configs.WIDE_MIN_CTAS = wide_min
 import cupy as cp
 from cupy_moe.align import moe_align_block_size
 moe_align_block_size(cp.asarray(rng.integers(0, 64, size=(5000, 4)).astype(np.int32)), 16, 64)  # multi-CTA path

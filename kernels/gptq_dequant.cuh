@@ -14,10 +14,13 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
 }
 
 // 16-byte global -> shared copy that bypasses registers and L1; `full` false zero-fills without reading.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
-  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+// dst: a shared-memory address (smem_u32) or a generic pointer into shared memory.
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* gmem, bool full) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0)
                : "memory");
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
+  cp_async16(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, full);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>

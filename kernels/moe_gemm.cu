@@ -471,62 +471,89 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
   constexpr int kSymZero = 1 << (kBits - 1);
 
-  // ---- copy assignments (fixed per thread)
+  // ---- copy assignments, fixed per thread: a source pointer that advances by one 32-k chunk per issued step, and a
+  // shared-memory offset within a step. A source that must not be read (padding row, column past N, no zeros)
+  // zero-fills. Steps are issued in chunk order c_begin, c_begin + 1, ..., so nothing is recomputed per step: every
+  // warp issues its copies between barriers, and index arithmetic was once half of the main loop's instructions.
+  const int total_chunks = K / 32;
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  const int c_end = min(total_chunks, c_begin + chunks_per_split);
+  const int nsteps = (c_end - c_begin + KT - 1) / KT;  // pipeline steps of KT chunks (the last may be partial)
+  const int chunks_per_group = group_len / 32;
+  const int grp0 = c_begin / chunks_per_group;
+  int grp_next = (grp0 + 1) * chunks_per_group;  // first chunk of the next quantization group
+
+  // A: row r = tid / 4 + i * THREADS / 4, 16-byte chunk c = tid % 4; the rows of one thread share a swizzle key
   constexpr int A_PER = BM * 4 / THREADS;  // 16-byte A chunks per thread per step (1 or 2)
+  static_assert((THREADS / 4) % 8 == 0, "the rows of one thread share a swizzle key");
   const unsigned short* a_src[A_PER];
-  int a_dst[A_PER];
+  bool a_ok[A_PER];
+  const unsigned a_dst = (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);  // + i * (THREADS / 4) * 64
 #pragma unroll
   for (int i = 0; i < A_PER; ++i) {
-    const int idx = tid + i * THREADS, r = idx >> 2, c = idx & 3;
-    const int p = __ldg(sorted + blk * BM + r);
-    a_src[i] = (p >= 0 && p < num_pairs) ? a + static_cast<long long>(p / top_k) * K + 8 * c : nullptr;
-    a_dst[i] = r * 64 + ((c ^ ((r >> 1) & 3)) << 4);
+    const int p = __ldg(sorted + blk * BM + (tid >> 2) + i * (THREADS / 4));
+    a_ok[i] = p >= 0 && p < num_pairs;
+    a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K + 8 * (tid & 3) : 0) + c_begin * 32;
   }
-  // qweight: kBits rows x BN/4 chunks of 16 bytes
+  // qweight: kBits rows x BN/4 chunks of 16 bytes per step
   constexpr int Q_ROW = BN / 4, Q_PER = (kBits * Q_ROW + THREADS - 1) / THREADS;
+  const long long q_step = static_cast<long long>(kBits) * N;  // qweight words per 32-k chunk
+  const int* q_src[Q_PER];
+  bool q_ok[Q_PER];
+#pragma unroll
+  for (int i = 0; i < Q_PER; ++i) {
+    const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
+    q_ok[i] = idx < kBits * Q_ROW && n_base + 4 * q_chunk < N;
+    q_src[i] = qw_e + (q_ok[i] ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + c_begin * q_step;
+  }
   // scales: BN/8 chunks (the last threads); zeros: BN*bits/128 chunks (the threads just below)
   constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = L::kZ / 16;
   const int s_chunk = tid - (THREADS - S_CHUNKS);
   const bool s_do = s_chunk >= 0;
   const bool s_ok = s_do && n_base + 8 * s_chunk < N;
+  const unsigned short* s_src = sc_e + static_cast<long long>(grp0) * N + (s_ok ? n_base + 8 * s_chunk : 0);
   const int z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
   const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
   const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
+  const int z_step = zc_ok ? zwords : 0;
+  const int* z_src = zc_ok ? qz_e + static_cast<long long>(grp0) * zwords + n_base * kBits / 32 + 4 * z_thread : qw_e;
 
-  const int total_chunks = K / 32;
-  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
-  const int c_end = min(total_chunks, c_begin + chunks_per_split);
-  const int nsteps = (c_end - c_begin + KT - 1) / KT;  // pipeline steps of KT chunks (the last may be partial)
-
-  // one 32-k step (chunk c) into st; past the slice end everything is zero-filled (no reads), so the step adds 0
-  auto issue_step = [&](unsigned char* st, int c) {
-    const bool in = c < c_end;
-    const int k0 = c * 32;
+  // one 32-k step (chunk c, the next in order) into the step at shared address st
+  auto issue_step = [&](unsigned st, int c) {
+    if (c < c_end) {
+      if (c >= grp_next) {
+        grp_next += chunks_per_group;
+        s_src += N;
+        z_src += z_step;
+      }
 #pragma unroll
-    for (int i = 0; i < A_PER; ++i)
-      gptq::cp_async16(st + a_dst[i], in && a_src[i] ? a_src[i] + k0 : a, in && a_src[i] != nullptr);
+      for (int i = 0; i < A_PER; ++i) {
+        gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, a_src[i], a_ok[i]);
+        a_src[i] += 32;
+      }
 #pragma unroll
-    for (int i = 0; i < Q_PER; ++i) {
-      const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
-      const bool q_ok = in && n_base + 4 * q_chunk < N;
-      if (idx < kBits * Q_ROW && !(kProbe & 1))
-        gptq::cp_async16(st + L::kA + idx * 16,
-                         q_ok ? qw_e + static_cast<long long>(c * kBits + q_row) * N + n_base + 4 * q_chunk : qw_e,
-                         q_ok);
+      for (int i = 0; i < Q_PER; ++i) {
+        if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)  // else the thread has no chunk
+          if (!(kProbe & 1)) gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, q_src[i], q_ok[i]);
+        q_src[i] += q_step;
+      }
+      if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, s_src, s_ok);
+      if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, z_src, zc_ok);
+    } else {  // past the slice end (the rest of a partial last step): zeros, no reads, so the step adds nothing
+#pragma unroll
+      for (int i = 0; i < A_PER; ++i) gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, a, false);
+#pragma unroll
+      for (int i = 0; i < Q_PER; ++i)
+        if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)
+          gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, qweight, false);
+      if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, scales, false);
+      if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, qweight, false);
     }
-    const int grp = k0 / group_len;
-    if (s_do)
-      gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16,
-                       in && s_ok ? sc_e + static_cast<long long>(grp) * N + n_base + 8 * s_chunk : sc_e, in && s_ok);
-    if (zc_do)
-      gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16,
-                       in && zc_ok ? qz_e + static_cast<long long>(grp) * zwords + n_base * kBits / 32 + 4 * z_thread
-                                   : qw_e,
-                       in && zc_ok);
   };
+  const unsigned smem_base = gptq::smem_u32(smem);
   auto issue = [&](int slot, int c) {
 #pragma unroll
-    for (int s = 0; s < KT; ++s) issue_step(smem + slot * L::kStage + s * L::kStep, c + s);
+    for (int s = 0; s < KT; ++s) issue_step(smem_base + slot * L::kStage + s * L::kStep, c + s);
   };
 
   // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, RPT per thread)
@@ -574,7 +601,6 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int a_ld_hi = lq >> 1;                        // k 8..15 half of a k16 step
   const int b_ld_row = wn * WTN + (lq >> 1) * 8 + lr;  // + jp * 16
   const int b_ld_hi = lq & 1;
-  const unsigned smem_base = gptq::smem_u32(smem);
   const unsigned bs_base = gptq::smem_u32(bs);
 
   auto mma_step = [&](int slot, int buf) {

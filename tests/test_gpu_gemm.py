@@ -103,10 +103,12 @@ def test_gemm_model_shapes(k, n, m):
     (8, True, False, "bfloat16"), (4, False, True, "float16")])
 def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper, monkeypatch):
     """The shared-memory (tc) kernel, both its wgmma (sm_90a) and mma.sync variants, and its act-order fallback:
-    partial tiles in M and N, groups of 32 and 128, several experts, split-K (few CTAs, long K) and not."""
+    partial tiles in M and N, groups of 32 and 128, several experts, split-K (few CTAs, long K) and not, and an odd
+    number of 32-k chunks (K = 1120: the 128-row tile's last 64-k stage is half zero-filled)."""
     monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)  # "0": the mma.sync variant (the only one off Hopper)
     rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * act_order)
-    for e, m, a, k, n, gs in ((3, 200, 2, 1024, 160, 128), (8, 300, 2, 256, 288, 32), (2, 70, 1, 2048, 96, -1)):
+    for e, m, a, k, n, gs in ((3, 200, 2, 1024, 160, 128), (8, 300, 2, 256, 288, 32), (2, 70, 1, 2048, 96, -1),
+                              (3, 140, 2, 1120, 96, 32)):
         run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
                  dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m)
 
