@@ -25,7 +25,9 @@ docs/performance.md):
   from L2 once per column tile, and 256 columns halve that traffic. Measured on the H200 (benchmarks/sweep_tiles.py,
   2026-12-03 09:50 UTC): 128 x 256 with 4 stages of 64 k beat 6 stages of 32 k by 9-11% (Mixtral-8x7B gate/up
   M = 4096 5839 against 6532 us; Qwen3-30B-A3B gate/up M = 4096 801 against 885 us); the 64 x 256 tile keeps 6
-  stages of 32 k (two CTAs per SM). Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes
+  stages of 32 k (two CTAs per SM). Rechecked after the copy code was made lean (16:20 UTC, 16 prefill rows):
+  64-k stages for the 64-row tile (one CTA per SM) 16-26% slower, 5 stages for the 128-row tile 0-2.4% slower,
+  8 stages for the 64-row tile within 2%. Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes
   below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
