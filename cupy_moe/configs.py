@@ -27,8 +27,8 @@ docs/performance.md):
   M = 4096 5839 against 6532 us; Qwen3-30B-A3B gate/up M = 4096 801 against 885 us); the 64 x 256 tile keeps 6
   stages of 32 k (two CTAs per SM). Rechecked after the copy code was made lean (16:20 UTC, 16 prefill rows):
   64-k stages for the 64-row tile (one CTA per SM) 16-26% slower, 5 stages for the 128-row tile 0-2.4% slower,
-  8 stages for the 64-row tile within 2%. Act-order weights at these block sizes run `moe_gemm` with the ACT_ORDER shapes
-  below instead.
+  8 stages for the 64-row tile within 2%. Act-order weights at these block sizes run `moe_gemm` with the
+  ACT_ORDER shapes below instead.
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
 two m16 tiles: an expert with 17-32 rows reads and dequantizes its weights once instead of twice; H200, 2026-12-03,
