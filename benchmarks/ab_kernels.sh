@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Same-run A/B of kernel source versions: for each DIR given, copy its .cu/.cuh files over kernels/, time the same
-# benchmark rows (bench_gemm.py, no baseline), and put the checked-out kernels back at the end.
+# benchmark rows (bench_gemm.py, no baseline; prints time in us and the traffic-floor ratio), and put the
+# checked-out kernels back at the end.
 #   bash benchmarks/ab_kernels.sh DIR [DIR ...]     (ROWS overrides the rows; default: six decode rows per model)
 # Typical use on the device: versions exported with `git show REV:kernels/moe_gemm.cu > abk/REV/moe_gemm.cu` into an
 # ignored folder that the device call carries. A version listed twice (first and last) shows the drift of the run.
@@ -13,6 +14,6 @@ for dir in "$@"; do
   cp "$dir"/*.cu* kernels/
   echo "=== $dir"
   timeout 150 python3 benchmarks/bench_gemm.py --iters 8 --no-baseline $ROWS 2>&1 | grep -vE "^# command" |
-    awk '/^#/ {print; next} {print $1, $2, $3, $4, $5, $6, $9}'
+    awk '/^#/ {print; next} /^model / {print $1, $2, $3, $4, $5, $6, $10; next} {print $1, $2, $3, $4, $5, $6, $9}'
 done
 cp "$backup"/* kernels/

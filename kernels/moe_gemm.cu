@@ -518,7 +518,26 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int z_step = zc_ok ? zwords : 0;
   const int* z_src = zc_ok ? qz_e + static_cast<long long>(grp0) * zwords + n_base * kBits / 32 + 4 * z_thread : qw_e;
 
-  // one 32-k step (chunk c, the next in order) into the step at shared address st
+  // one 32-k step's copies into the step at shared address st; `in` false (the rest of a partial last step past the
+  // slice end): zeros from valid base addresses, no reads, so the step adds nothing. Called with a literal, so each
+  // call site compiles to straight copies.
+  auto copy_step = [&](unsigned st, bool in) {
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);
+      if (in) a_src[i] += 32;
+    }
+#pragma unroll
+    for (int i = 0; i < Q_PER; ++i) {
+      if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)  // else the thread has no chunk
+        if (!(kProbe & 1))
+          gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, in ? q_src[i] : qweight, in && q_ok[i]);
+      if (in) q_src[i] += q_step;
+    }
+    if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, in ? s_src : scales, in && s_ok);
+    if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, in ? z_src : qweight, in && zc_ok);
+  };
+  // one 32-k step (chunk c, the next in order)
   auto issue_step = [&](unsigned st, int c) {
     if (c < c_end) {
       if (c >= grp_next) {
@@ -526,28 +545,9 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
         s_src += N;
         z_src += z_step;
       }
-#pragma unroll
-      for (int i = 0; i < A_PER; ++i) {
-        gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, a_src[i], a_ok[i]);
-        a_src[i] += 32;
-      }
-#pragma unroll
-      for (int i = 0; i < Q_PER; ++i) {
-        if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)  // else the thread has no chunk
-          if (!(kProbe & 1)) gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, q_src[i], q_ok[i]);
-        q_src[i] += q_step;
-      }
-      if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, s_src, s_ok);
-      if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, z_src, zc_ok);
-    } else {  // past the slice end (the rest of a partial last step): zeros, no reads, so the step adds nothing
-#pragma unroll
-      for (int i = 0; i < A_PER; ++i) gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, a, false);
-#pragma unroll
-      for (int i = 0; i < Q_PER; ++i)
-        if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)
-          gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, qweight, false);
-      if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, scales, false);
-      if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, qweight, false);
+      copy_step(st, true);
+    } else {
+      copy_step(st, false);
     }
   };
   const unsigned smem_base = gptq::smem_u32(smem);
