@@ -152,6 +152,7 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
     flops = 2.0 * p * k * n
     floor_t = traffic / copy_bw
     return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, block_n=r.cfg.block_n,
+                kind=r.cfg.kind,
                 split_k=r.cfg.split_k,
                 time_us=t * 1e6, tbps=traffic / t / 1e12, tflops=flops / t / 1e12,
                 floor_ratio=floor_t / t, flop_ratio=flops / t / mm_rate, baseline_us=t_base * 1e6,
@@ -179,14 +180,14 @@ def baseline_time(r, iters):
 
 def parse_tiles(spec):
     """'16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
-    with kind reg (moe_gemm, the default) or tc (moe_gemm_tc); block_m is checked."""
+    with kind reg (moe_gemm, the default), tc (moe_gemm_tc) or ws (moe_gemm_ws, sm_90a); block_m is checked."""
     out = []
     for item in filter(None, spec.split(";")):
         key, val = item.split("=")
         kind, _, val = val.rpartition(":")
         kind = kind or "reg"
-        if kind not in ("reg", "tc"):
-            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of ['reg', 'tc']")
+        if kind not in ("reg", "tc", "ws"):
+            raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of ['reg', 'tc', 'ws']")
         cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), kind=kind)
         if cfg.block_m != int(key):
             raise ValueError(f"--tiles: {item!r} has block_m {cfg.block_m}, not {key}")
@@ -195,12 +196,16 @@ def parse_tiles(spec):
 
 
 def tile_spec(cfg):
-    kind = "tc:" if cfg.kind == "tc" else ""
+    kind = "" if cfg.kind == "reg" else f"{cfg.kind}:"
     return f"{cfg.block_m}={kind}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
 
 
 def use_tile(cfg):
     """Make `cfg` the kernel shape of its block_m (what choose_config and the launcher use)."""
+    if cfg.kind == "ws":  # sm_90a only: the portable shape of the block size stays
+        configs.HOPPER_SHAPES[cfg.block_m] = cfg
+        return
+    configs.HOPPER_SHAPES.pop(cfg.block_m, None)
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
     name = {16: "DECODE", 32: "DECODE_32", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
     setattr(configs, name, cfg)
@@ -276,7 +281,9 @@ def main(argv=None):
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)
-                shape = f"{row['block_m']}w" if row["block_m"] == 16 and row["block_n"] > 128 else str(row["block_m"])
+                # w: the 256-column 16-row shape; s: the swapped-operand sm_90a kernel
+                wide = row["block_m"] == 16 and row["block_n"] > 128
+                shape = f"{row['block_m']}{'s' if row['kind'] == 'ws' else 'w' if wide else ''}"
                 print(f"{model:18s} {phase:7s} {m:5d} {shape:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
                       f"{row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} {row['flop_ratio']:6.2f} "
                       f"{row['baseline_us']:9.1f} {row['baseline_ratio']:7.2f}  {'pass' if row['pass'] else 'FAIL'}",

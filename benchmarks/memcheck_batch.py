@@ -10,10 +10,12 @@ for i in range(6):
                 kind="uniform", block_m=[16, 32, 64, 128][i % 4])
     case["a"] = int(min(case["e"], 1 + i % 3))
     t.run_case(rng, **case)
-# the prefill kernel with an odd number of 32-k chunks (its last 64-k stage half zero-filled), and the 256-column
-# decode shape (forced: at this size the heuristic picks the 128-column one)
+# the prefill kernel with an odd number of 32-k chunks (its last 64-k stage half zero-filled), 32-row blocks with a
+# partial 256-column tile (on sm_90a the swapped-operand kernel) and split-K, and the 256-column decode shape
+# (forced: at this size the heuristic picks the 128-column one)
 common = dict(bits=4, sym=False, act_order=False, dtype_name="float16", routed=True, kind="uniform")
 t.run_case(rng, e=3, m=90, a=2, k=96, n=96, group_size=32, block_m=128, **common)
+t.run_case(rng, e=4, m=20, a=2, k=1120, n=160, group_size=32, block_m=32, **common)
 from cupy_moe import configs
 wide_min, configs.WIDE_MIN_CTAS = configs.WIDE_MIN_CTAS, 0
 t.run_case(rng, e=4, m=3, a=2, k=512, n=160, group_size=128, block_m=16, **common)

@@ -1,6 +1,6 @@
 """Tile choice for the fused GPTQ MoE GEMM, in one place.
 
-Two kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.py / sweep_tiles.py (see
+Three kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.py / sweep_tiles.py (see
 docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
@@ -29,6 +29,18 @@ docs/performance.md):
   64-k stages for the 64-row tile (one CTA per SM) 16-26% slower, 5 stages for the 128-row tile 0-2.4% slower,
   8 stages for the 64-row tile within 2%. Act-order weights at these block sizes run `moe_gemm` with the
   ACT_ORDER shapes below instead.
+
+- `moe_gemm_ws` ("ws", sm_90a, no act-order; WS_32 runs the 32-row blocks there): the operands swapped, out^T =
+  W^T a^T. Each thread dequantizes its columns' weights straight into the register A fragment of m64nTk16 wgmma ops
+  (T = the block's rows), the activation rows are the shared-memory B operand; 8 warps, 32 x 256 tiles, 6 stages
+  of 32 k, two CTAs per SM (WS_RESIDENT_PER_SM). H200, 2026-12-03 17:15-17:18 UTC (bench_gemm.py --tiles, one
+  call each): on the twelve 32-row rows (Mixtral M = 64, four many-expert models at M = 256) 0.80-0.91 of the
+  `moe_gemm` 32 x 128 time on nine (Qwen3-235B-A22B gate/up M = 256 504 against 634 us, Mixtral-8x7B down M = 64
+  177 against 197 us), slower on three that the split heuristic then cut 3 ways (Qwen1.5-MoE-A2.7B down M = 256
+  103 against 90 us); the split estimate now counts two resident CTAs for it, which picks fewer slices there.
+  At 16 rows it lost to `moe_gemm` on all 12 rows tried (Qwen1.5-MoE-A2.7B down M = 64 71 against 54 us); at 64
+  and 128 rows to the tc kernel, the better of two shapes each by 4-27% (DeepSeek-V3 gate/up M = 1024 3236
+  against 2885 us).
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
 two m16 tiles: an expert with 17-32 rows reads and dequantizes its weights once instead of twice; H200, 2026-12-03,
@@ -75,6 +87,7 @@ NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
 # (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
 RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
+WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
 
 
@@ -93,7 +106,9 @@ class GemmConfig:
     ku: int
     stages: int = 4
     split_k: int = 1
-    kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory)
+    kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory),
+    # "ws": moe_gemm_ws (sm_90a: weights as the wgmma M side in registers; warps_m 1, warps_n 8, ng m64 tiles per
+    # warpgroup, so block_n = 128 * ng)
 
     @property
     def block_m(self) -> int:
@@ -101,7 +116,7 @@ class GemmConfig:
 
     @property
     def block_n(self) -> int:
-        return self.warps_n * self.ng * 32
+        return 128 * self.ng if self.kind == "ws" else self.warps_n * self.ng * 32
 
     @property
     def threads(self) -> int:
@@ -117,6 +132,10 @@ class GemmConfig:
                         hopper: bool = False) -> str:
         """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none)."""
         b = lambda flag: "true" if flag else "false"
+        if self.kind == "ws":
+            if act_order or not hopper:
+                raise ValueError("kind: the ws kernel runs on sm_90a without act-order (use kernel_instance)")
+            return f"moe_gemm_ws<{b(bf16)}, {bits}, {self.block_m}, {self.ng}, {self.stages}, {self.ku}>"
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
@@ -131,9 +150,12 @@ class GemmConfig:
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
         two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
         base."""
+        bn = self.block_n
+        if self.kind == "ws":  # WsSmem in moe_gemm.cu
+            step = -(-(self.block_m * 64 + bits * (bn * 4 + 32) + bn * 2 + bn * bits // 8) // 512) * 512
+            return self.stages * self.ku * step + 1024
         if self.kind != "tc":
             return 0
-        bn = self.block_n
         step = self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8
         if hopper:
             step = -(-step // 512) * 512
@@ -152,6 +174,10 @@ KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
+# sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side, see the docstring)
+WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
+HOPPER_SHAPES = {32: WS_32}
+_PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
 # heuristic block_m: rows per touched expert <= 10 -> 16, <= 24 -> 32, <= 96 -> 64, else 128
 ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 10, 24, 96
 
@@ -168,6 +194,8 @@ def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, gro
     The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m].
     hopper: the Hopper variants (see hopper_enabled).
     """
+    if cfg.kind == "ws" and (act_order or not hopper):
+        cfg = replace(_PORTABLE_SHAPES[cfg.block_m], split_k=cfg.split_k)
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
     return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper), cfg.smem_bytes(bits, hopper)
@@ -180,46 +208,58 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
         for bf16 in (False, True):
             for bits in (4, 8):
-                for cfg in (*KERNEL_SHAPES.values(), DECODE_WIDE):
+                for cfg in (*KERNEL_SHAPES.values(), DECODE_WIDE, *HOPPER_SHAPES.values()):
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
                         names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))
 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int,
-                  block_m: int | None = None) -> GemmConfig:
+                  block_m: int | None = None, hopper: bool | None = None) -> GemmConfig:
     """The tile configuration for one GEMM phase.
 
     m: tokens M (rows of the activation), e: experts E, a: top-k A of this phase (the down phase passes
     m = M*A rows and a = 1), k: K, n: N, bits, group_size: G (-1 = one group).
     block_m: force the tile height (the align block size already used); None = heuristic.
+    hopper: whether the sm_90a kernels run (HOPPER_SHAPES); None = ask the current device (False without a GPU).
     Returns a GemmConfig; its `block_m` is the block size to align with.
     A configuration measured by `python -m cupy_moe tune` for this GPU and problem wins over the heuristic.
     """
     pairs = max(1, m * a)
     touched = min(e, pairs)
     rows = pairs / touched
+    if hopper is None:
+        hopper = _device_hopper()
+
+    def shape(bm):
+        if hopper and bm in HOPPER_SHAPES:
+            return HOPPER_SHAPES[bm]
+        return _widen(KERNEL_SHAPES[bm], touched, rows, n)
+
     tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
     if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
-        return replace(_widen(KERNEL_SHAPES[tuned["block_m"]], touched, rows, n), split_k=tuned["split_k"])
+        return replace(shape(tuned["block_m"]), split_k=tuned["split_k"])
     if block_m is None:
-        base = (DECODE if rows <= ROWS_16_MAX else DECODE_32 if rows <= ROWS_32_MAX else
-                PREFILL if rows <= ROWS_64_MAX else PREFILL_128)
-    elif block_m in KERNEL_SHAPES:
-        base = KERNEL_SHAPES[block_m]
-    else:
+        block_m = (16 if rows <= ROWS_16_MAX else 32 if rows <= ROWS_32_MAX else 64 if rows <= ROWS_64_MAX else 128)
+    elif block_m not in KERNEL_SHAPES:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
-    base = _widen(base, touched, rows, n)
+    base = shape(block_m)
     blocks = _blocks(touched, rows, base.block_m)
     n_tiles = -(-n // base.block_n)
     ctas = blocks * n_tiles
     chunks = max(1, k // 32)
     max_split = max(1, min(_MAX_SPLIT, chunks // (2 * base.ku)))
-    slots = RESIDENT_PER_SM.get(base.block_m, 1) * NUM_SMS
+    resident = WS_RESIDENT_PER_SM if base.kind == "ws" else RESIDENT_PER_SM.get(base.block_m, 1)
+    slots = resident * NUM_SMS
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
     return replace(base, split_k=split)
+
+
+def _device_hopper() -> bool:
+    from . import _compile, _xp
+    return _xp.gpu_available() and hopper_enabled(_compile.device_arch())
 
 
 def _widen(base: GemmConfig, touched: int, rows: float, n: int) -> GemmConfig:

@@ -235,6 +235,77 @@ __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], con
   }
 }
 
+// ---- register A fragments of the swapped Hopper kernel (moe_gemm_ws): the weights are the wgmma M side --------
+// For one output column and one 32-k chunk, f[i] = the pair k (8i + 2t, 8i + 2t + 1) (t = lane % 4): f[0], f[1] are
+// the column's k 2t and 2t + 8 pairs of the chunk's first k16 step, f[2], f[3] those of the second. 4-bit: the pair
+// is byte t of word i (words = the chunk's 4 qweight rows); 8-bit: half (t & 1) of word 2i + (t >> 1) (8 rows).
+// Values as everywhere: w = round((q - z) * s), q - z exact.
+// fp16 4-bit: one PRMT puts byte t of two words at bytes 0/2 and 1/3; masking 0x00F0000F then leaves the low code at
+// bits 0-3 and the high code at bits 20-23, i.e. the halves 1024 + lo and 1024 + 16 hi, and one fma with
+// (1, 1/16) and (-(1024 + z), -(64 + z)) gives (lo - z, hi - z) exactly.
+struct FragConst {
+  u32 ss, zz;  // fp16: scale pair; -(1024 + z) | -(64 + z) (4-bit) or -(1024 + z) pair (8-bit)
+  float sf, zf;  // bf16: scale, 2^23 + z
+};
+
+template <bool kBf16, int kBits>
+__device__ __forceinline__ FragConst frag_const(unsigned short s_bits, int z) {
+  FragConst c;
+  if constexpr (!kBf16) {
+    c.ss = u32(s_bits) * 0x10001u;
+    c.zz = (0xE400u | u32(z)) | ((kBits == 4 ? 0xD400u + (u32(z) << 4) : 0xE400u | u32(z)) << 16);
+    c.sf = c.zf = 0.f;
+  } else {
+    c.ss = c.zz = 0u;
+    c.sf = half_bits_to_float(s_bits);
+    c.zf = 8388608.0f + float(z);
+  }
+  return c;
+}
+
+// qcol: the column's word of qweight row 0 in shared memory, rows `stride` words apart; sel: the PRMT selector of
+// the lane (frag_select).
+__device__ __forceinline__ u32 frag_select(int kBits, int t) {
+  return kBits == 4 ? u32(t) | (u32(t + 4) << 4) | (u32(t) << 8) | (u32(t + 4) << 12)  // byte t of a, b, a, b
+                    : u32(2 * (t & 1)) | (4u << 4) | (u32(2 * (t & 1) + 1) << 8) | (4u << 12);  // half (t&1), 0x64
+}
+
+template <bool kBf16, int kBits>
+__device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u32 sel, const FragConst& c,
+                                           u32 (&f)[4]) {
+  if constexpr (kBits == 4) {
+    const u32 w0 = qcol[0], w1 = qcol[stride], w2 = qcol[2 * stride], w3 = qcol[3 * stride];
+    if constexpr (!kBf16) {
+      const u32 x01 = prmt(w0, w1, sel), x23 = prmt(w2, w3, sel);
+      const u32 p[4] = {and_or(x01, 0x00F0000Fu, 0x64006400u), and_or(x01 >> 8, 0x00F0000Fu, 0x64006400u),
+                        and_or(x23, 0x00F0000Fu, 0x64006400u), and_or(x23 >> 8, 0x00F0000Fu, 0x64006400u)};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f[i] = hmul2(hfma2(p[i], 0x2C003C00u, c.zz), c.ss);
+    } else {
+      const u32 w[4] = {w0, w1, w2, w3};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const u32 b = w[i] >> (8 * t);
+        f[i] = pack2<true>((__uint_as_float(0x4B000000u | (b & 15u)) - c.zf) * c.sf,
+                           (__uint_as_float(0x4B000000u | ((b >> 4) & 15u)) - c.zf) * c.sf);
+      }
+    }
+  } else {
+    const u32* q = qcol + (t >> 1) * stride;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const u32 w = q[2 * i * stride];
+      if constexpr (!kBf16) {
+        f[i] = hmul2(hfma2(prmt(w, 0x64646464u, sel), 0x3C003C00u, c.zz), c.ss);
+      } else {
+        const u32 b = w >> (16 * (t & 1));
+        f[i] = pack2<true>((__uint_as_float(0x4B000000u | (b & 255u)) - c.zf) * c.sf,
+                           (__uint_as_float(0x4B000000u | ((b >> 8) & 255u)) - c.zf) * c.sf);
+      }
+    }
+  }
+}
+
 // The A operand (16x16 row-major fragment) for the two mmas of one 32-wide k chunk, in the k order above.
 // x, y: the 8 activations k0+8t .. k0+8t+7 of rows g and g+8 (16-byte loads).
 template <int kBits>

@@ -42,6 +42,23 @@ def test_wide_decode_shape_only_for_many_ctas(fake_gpu, monkeypatch):
     assert any(", 2, 2, 2, " in name for name in configs.all_name_expressions())  # ng = 2, ku = 2, stages = 2
 
 
+def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
+    # Mixtral-8x7B gate/up M = 64: 16 rows per expert -> 32-row blocks; on sm_90a the ws kernel, 256 columns
+    ws = configs.choose_config(64, 8, 2, 4096, 28672, 4, 128, hopper=True)
+    assert (ws.kind, ws.block_m, ws.block_n) == ("ws", 32, 256)
+    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128, hopper=False).kind == "reg"
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128, hopper=True).kind == "reg"  # 16-row blocks stay
+    # DeepSeek-V2-Lite down M = 256: 64 blocks x 8 tiles of 256 columns, 44 steps; 2 CTAs per SM (264 slots):
+    # one slice (2 waves of 46) beats 2 (4 x 24) and 3 (6 x 17)
+    assert configs.choose_config(1536, 64, 1, 1408, 2048, 4, 128, hopper=True).split_k == 1
+    # act-order or another GPU: the portable shape of the block size, split kept
+    cfg, name, smem = configs.kernel_instance(ws, False, 4, True, 128, hopper=True)
+    assert cfg.kind == "reg" and cfg.block_m == 32 and cfg.split_k == ws.split_k and name.startswith("moe_gemm<")
+    cfg, name, smem = configs.kernel_instance(ws, False, 4, False, 128, hopper=True)
+    assert name == "moe_gemm_ws<false, 4, 32, 2, 6, 1>" and smem == 6 * 7168 + 1024
+    assert name in configs.all_name_expressions("sm_90a") and name not in configs.all_name_expressions("sm_80")
+
+
 def test_split_k_weighs_waves_against_short_slices():
     # Mixtral-8x7B M = 1 (2 experts) on 396 decode slots: gate/up 448 CTAs of 32 stages would leave a second wave of
     # 52 CTAs: 3 slices (4 waves of 11 stages); down 64 CTAs of 112 stages: 6 slices (384 CTAs, one wave)

@@ -144,16 +144,40 @@ def test_gemm_decode_wide(bits, sym, act_order, dtype_name, gs, monkeypatch):
                  dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
 
 
+@pytest.mark.parametrize("hopper", ["1", "0"])
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (4, False, True, "float16", 64)])
-def test_gemm_block_32(bits, sym, act_order, dtype_name, gs):
-    """The 32-row decode shape (two m16 tiles per CTA): experts with 17-32 rows, partial blocks, split-K, a partial
+def test_gemm_block_32(bits, sym, act_order, dtype_name, gs, hopper, monkeypatch):
+    """32-row blocks: on sm_90a the swapped-operand kernel (WS_32), elsewhere (and with CUPY_MOE_HOPPER=0) the
+    portable decode shape with two m16 tiles per CTA: experts with 17-32 rows, partial blocks, split-K, a partial
     last column tile."""
+    monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)
     rng = np.random.default_rng(32 + bits + 2 * sym + 4 * act_order)
     for e, m, a, k, n in ((4, 40, 2, 2048, 160), (8, 64, 2, 1408, 288), (2, 9, 1, 768, 96)):
         run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
                  dtype_name=dtype_name, routed=True, kind="uniform", block_m=32)
+
+
+@pytest.mark.parametrize("block_m,ng,stages,ku,bits,sym,act_order,dtype_name,gs", [
+    (16, 1, 6, 2, 4, False, False, "float16", 128), (32, 2, 6, 1, 4, True, False, "bfloat16", 32),
+    (32, 1, 4, 1, 8, False, False, "float16", 64), (64, 2, 4, 2, 8, True, False, "bfloat16", -1),
+    (64, 1, 6, 1, 4, False, False, "bfloat16", 64), (128, 2, 4, 2, 4, False, False, "float16", 32),
+    (64, 2, 4, 2, 4, False, True, "float16", 128)])
+def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype_name, gs, monkeypatch):
+    """The sm_90a kernel with the weights as the wgmma M side (kind "ws"; 32-row blocks use it by default, the other
+    shapes here are for tuning): 16-128 rows per block, 128 or 256
+    columns, partial column tiles, split-K and not, an odd number of 32-k chunks (K = 1120 with 64-k stages), and
+    act-order (which runs the portable shape of the block size instead)."""
+    from cupy_moe import _compile
+    if _compile.device_arch() != "sm_90a":
+        pytest.skip("moe_gemm_ws needs sm_90a")
+    cfg = configs.GemmConfig(mt=block_m // 16, warps_m=1, warps_n=8, ng=ng, ku=ku, stages=stages, kind="ws")
+    monkeypatch.setitem(configs.HOPPER_SHAPES, block_m, cfg)
+    rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * ng)
+    for e, m, a, k, n in ((4, 40, 2, 2048, 160), (8, 300, 2, 1408, 288), (2, 9, 1, 768, 96), (3, 140, 2, 1120, 256)):
+        run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
+                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m)
 
 
 def test_gemm_deterministic_prefill():
