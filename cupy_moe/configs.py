@@ -37,9 +37,10 @@ docs/performance.md):
   call each): on the twelve 32-row rows (Mixtral M = 64, four many-expert models at M = 256) 0.80-0.91 of the
   `moe_gemm` 32 x 128 time on nine (Qwen3-235B-A22B gate/up M = 256 504 against 634 us, Mixtral-8x7B down M = 64
   177 against 197 us), slower on three that the split heuristic then cut 3 ways (Qwen1.5-MoE-A2.7B down M = 256
-  103 against 90 us); the split estimate now counts two resident CTAs for it, which picks fewer slices there.
+  103 against 90 us); the split estimate now counts two resident CTAs for it, which picks fewer slices there, and
+  the full benchmark at 17:28 had all twelve at 0.71-0.94 of their 16:14 times.
   At 16 rows it lost to `moe_gemm` on all 12 rows tried (Qwen1.5-MoE-A2.7B down M = 64 71 against 54 us); at 64
-  and 128 rows to the tc kernel, the better of two shapes each by 4-27% (DeepSeek-V3 gate/up M = 1024 3236
+  and 128 rows to the tc kernel, the better of two shapes each by 3-27% (DeepSeek-V3 gate/up M = 1024 3236
   against 2885 us).
 
 Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
