@@ -97,7 +97,7 @@ class GemmConfig:
     """Template parameters of one `moe_gemm` instance plus the run-time split-K factor.
 
     block_m = warps_m * mt * 16 rows of one expert per CTA (= the align block size B);
-    block_n = warps_n * ng * 32 columns per CTA; ku = 32-wide K chunks per pipeline stage; stages = depth of the
+    block_n = warps_n * ng * 32 columns per CTA (kind "ws": 128 * ng); ku = 32-wide K chunks per pipeline stage; stages = depth of the
     cp.async ring (stages - 1 stages in flight while one computes).
     """
     mt: int
@@ -135,7 +135,8 @@ class GemmConfig:
         b = lambda flag: "true" if flag else "false"
         if self.kind == "ws":
             if act_order or not hopper:
-                raise ValueError("kind: the ws kernel runs on sm_90a without act-order (use kernel_instance)")
+                raise ValueError("kind 'ws': expected hopper=True and act_order=False (kernel_instance falls back), "
+                                 f"got hopper={hopper}, act_order={act_order}")
             return f"moe_gemm_ws<{b(bf16)}, {bits}, {self.block_m}, {self.ng}, {self.stages}, {self.ku}>"
         if self.kind == "tc":
             if act_order:

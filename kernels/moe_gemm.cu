@@ -34,42 +34,6 @@ using gptq::u32;
 #endif
 constexpr int kProbe = CUPY_MOE_PROBE;
 
-// ---- pieces every kernel uses -----------------------------------------------------------------------------------
-// One expert's tensors (shapes at the top); zwords = zero words per group row.
-struct ExpertWeights {
-  const int* qw;
-  const unsigned short* sc;
-  const int* qz;  // null: symmetric
-  int zwords;
-};
-template <int kBits>
-__device__ __forceinline__ ExpertWeights expert_weights(const int* qweight, const unsigned short* scales,
-                                                        const int* qzeros, int expert, int K, int N, int num_groups) {
-  ExpertWeights w;
-  w.qw = qweight + expert * (static_cast<long long>(K) * kBits / 32) * N;
-  w.sc = scales + static_cast<long long>(expert) * num_groups * N;
-  w.zwords = N * kBits / 32;
-  w.qz = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * w.zwords : nullptr;
-  return w;
-}
-
-// Split-K tickets, one per output tile (blockIdx.x, blockIdx.y). last_arrival: called by every thread once the CTA's
-// fp32 partials are written; true in the CTA that arrives last, which then sums the partials in fixed order and
-// resets the ticket (*ticket_of(tickets) = 0) for the next launch and graph replay.
-__device__ __forceinline__ int* ticket_of(int* tickets) {
-  return tickets + static_cast<long long>(blockIdx.x) * gridDim.y + blockIdx.y;
-}
-__device__ __forceinline__ bool last_arrival(int* tickets, int split_k) {
-  __shared__ int last;
-  __threadfence();  // partials visible device-wide before the ticket
-  __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket_of(tickets), 1) == split_k - 1;
-  __syncthreads();
-  if (!last) return false;
-  __threadfence();
-  return true;
-}
-
 // GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
 // launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
 // per stage; 2 = act-order (g_idx: every k has its own group).
@@ -118,11 +82,11 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     n_ok[ng] = n0[ng] < N;  // N % 32 == 0, so a group is all in or all out
   }
 
-  const ExpertWeights ew = expert_weights<kBits>(qweight, scales, qzeros, expert, K, N, num_groups);
-  const int* qw_e = ew.qw;
-  const unsigned short* sc_e = ew.sc;
-  const int zwords = ew.zwords;
-  const int* qz_e = ew.qz;
+  const long long rows_q = static_cast<long long>(K) * kBits / 32;
+  const int* qw_e = qweight + expert * rows_q * N;
+  const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;
+  const int zwords = N * kBits / 32;
+  const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
   // act-order is a template flag: its per-k scale gathers would otherwise cost the plain path registers
   const int* gi_e = kActOrder ? g_idx + static_cast<long long>(expert) * K : nullptr;
   constexpr int kSymZero = 1 << (kBits - 1);
@@ -392,7 +356,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         dst[1] = make_float4(v[4], v[5], v[6], v[7]);
       }
     }
-  if (!last_arrival(tickets, split_k)) return;
+  __shared__ int last;
+  __threadfence();  // partials visible device-wide before the ticket
+  __syncthreads();
+  int* ticket = tickets + static_cast<long long>(blk) * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == split_k - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -414,135 +385,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         store(p, n0[ng] + 8 * t, v);
       }
     }
-  if (threadIdx.x == 0) *ticket_of(tickets) = 0;  // ready for the next launch (and graph replay)
+  if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (and graph replay)
 }
 
-// ---- the shared-memory kernels (moe_gemm_tc, moe_gemm_ws): the K slice and the copies of one 32-k step ---------
 __device__ __forceinline__ void require_dyn_smem(int bytes) {
   unsigned dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   if (dyn < static_cast<unsigned>(bytes)) __trap();  // launcher / kernel layout mismatch
 }
-
-struct KSlice {
-  int c_begin, c_end;  // 32-k chunks of this CTA's K slice
-  int nsteps;          // pipeline steps of KT chunks (the last may be partial)
-  int chunks_per_group, grp0;
-};
-__device__ __forceinline__ KSlice k_slice(int K, int KT, int chunks_per_split, int group_len) {
-  KSlice ks;
-  const int total_chunks = K / 32;
-  ks.c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
-  ks.c_end = min(total_chunks, ks.c_begin + chunks_per_split);
-  ks.nsteps = (ks.c_end - ks.c_begin + KT - 1) / KT;
-  ks.chunks_per_group = group_len / 32;
-  ks.grp0 = ks.c_begin / ks.chunks_per_group;
-  return ks;
-}
-
-// The cp.async copies of one 32-k step, assigned to the 256 threads once: ROWS gathered activation rows [ROWS][32]
-// at offset 0 of the step (64-byte rows, 16-byte chunk c of row r at c ^ ((r >> 1) & 3)), the raw qweight rows
-// [bits][BN] at kA (QROW bytes apart), the scales [BN] at kA + kQ and the zero words at kA + kQ + kS. Each source is
-// a per-thread pointer advanced by one chunk per issued step and the group is tracked instead of divided out, so
-// nothing is recomputed per step (index arithmetic was once half of the tc kernel's main loop). Steps must be issued
-// in chunk order. A source that must not be read (padding row, column past N, no zeros, past the slice end)
-// zero-fills from a valid address.
-template <int kBits, int ROWS, int BN, int QROW>
-struct StepCopies {
-  static constexpr int THREADS = 256;
-  static constexpr int kA = ROWS * 64, kQ = kBits * QROW, kS = BN * 2, kZ = BN * kBits / 8;
-  static constexpr int A_CH = 4 * ROWS, A_PER = (A_CH + THREADS - 1) / THREADS;
-  static constexpr int Q_ROW = BN / 4, Q_CH = kBits * Q_ROW, Q_PER = (Q_CH + THREADS - 1) / THREADS;
-  static constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = kZ / 16;
-  static_assert((THREADS / 4) % 8 == 0, "the activation rows of one thread share a swizzle key");
-
-  const unsigned short* a_src[A_PER];
-  bool a_ok[A_PER];
-  unsigned a_dst;  // + i * (THREADS / 4) * 64
-  const int* q_src[Q_PER];
-  bool q_ok[Q_PER];
-  long long q_step;  // qweight words per 32-k chunk
-  const unsigned short* s_src;
-  const int* z_src;
-  int s_chunk, z_thread, z_step, n_stride, grp_next, chunks_per_group, c_end;
-  bool s_do, s_ok, zc_do, zc_ok;
-  const unsigned short* a_any;  // valid addresses for the zero fills
-  const int* q_any;
-  const unsigned short* s_any;
-
-  // rows: the block's entries of the sorted pair list
-  __device__ __forceinline__ StepCopies(const unsigned short* a, const int* qweight, const unsigned short* scales,
-                                        const int* rows, int num_pairs, int top_k, int K, int N, int n_base,
-                                        const ExpertWeights& w, const KSlice& ks)
-      : a_any(a), q_any(qweight), s_any(scales) {
-    const int tid = threadIdx.x;
-    a_dst = (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);
-#pragma unroll
-    for (int i = 0; i < A_PER; ++i) {  // row tid / 4 + i * THREADS / 4, 16-byte chunk tid % 4
-      const int row = (tid >> 2) + i * (THREADS / 4);
-      const int p = (A_CH % THREADS == 0 || row < ROWS) ? __ldg(rows + row) : -1;
-      a_ok[i] = p >= 0 && p < num_pairs;
-      a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K + 8 * (tid & 3) : 0) + ks.c_begin * 32;
-    }
-    q_step = static_cast<long long>(kBits) * N;
-#pragma unroll
-    for (int i = 0; i < Q_PER; ++i) {  // kBits rows x BN/4 chunks of 16 bytes
-      const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
-      q_ok[i] = idx < Q_CH && n_base + 4 * q_chunk < N;
-      q_src[i] = w.qw + (q_ok[i] ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + ks.c_begin * q_step;
-    }
-    // scales: BN/8 chunks (the last threads); zeros: BN*bits/128 chunks (the threads just below)
-    s_chunk = tid - (THREADS - S_CHUNKS);
-    s_do = s_chunk >= 0;
-    s_ok = s_do && n_base + 8 * s_chunk < N;
-    s_src = w.sc + static_cast<long long>(ks.grp0) * N + (s_ok ? n_base + 8 * s_chunk : 0);
-    z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
-    zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
-    zc_ok = zc_do && w.qz != nullptr && n_base + z_thread * 128 / kBits < N;
-    z_step = zc_ok ? w.zwords : 0;
-    z_src = zc_ok ? w.qz + static_cast<long long>(ks.grp0) * w.zwords + n_base * kBits / 32 + 4 * z_thread : w.qw;
-    n_stride = N;
-    chunks_per_group = ks.chunks_per_group;
-    grp_next = (ks.grp0 + 1) * chunks_per_group;  // first chunk of the next quantization group
-    c_end = ks.c_end;
-  }
-
-  // the step's copies into shared address st; `in` false: zeros (the rest of a partial last stage). Called with a
-  // literal, so each call site compiles to straight copies.
-  __device__ __forceinline__ void copy(unsigned st, bool in) {
-    const int tid = threadIdx.x;
-#pragma unroll
-    for (int i = 0; i < A_PER; ++i) {
-      if (A_CH % THREADS == 0 || (i + 1) * THREADS <= A_CH || tid + i * THREADS < A_CH)
-        gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a_any, in && a_ok[i]);
-      if (in) a_src[i] += 32;
-    }
-#pragma unroll
-    for (int i = 0; i < Q_PER; ++i) {
-      if ((i + 1) * THREADS <= Q_CH || tid + i * THREADS < Q_CH) {  // else the thread has no chunk
-        const int idx = tid + i * THREADS;
-        const unsigned dst = QROW == BN * 4 ? idx * 16 : (idx / Q_ROW) * QROW + (idx % Q_ROW) * 16;
-        if (!(kProbe & 1)) gptq::cp_async16(st + kA + dst, in ? q_src[i] : q_any, in && q_ok[i]);
-      }
-      if (in) q_src[i] += q_step;
-    }
-    if (s_do) gptq::cp_async16(st + kA + kQ + s_chunk * 16, in ? s_src : s_any, in && s_ok);
-    if (zc_do) gptq::cp_async16(st + kA + kQ + kS + z_thread * 16, in ? z_src : q_any, in && zc_ok);
-  }
-  // chunk c (the next in order) into the step at st
-  __device__ __forceinline__ void issue(unsigned st, int c) {
-    if (c < c_end) {
-      if (c >= grp_next) {
-        grp_next += chunks_per_group;
-        s_src += n_stride;
-        z_src += z_step;
-      }
-      copy(st, true);
-    } else {
-      copy(st, false);
-    }
-  }
-};
 
 // ================================================================================================================
 // Prefill kernel (block_m 64 / 128, no act-order): every weight is dequantized ONCE per CTA into shared memory and
@@ -616,18 +466,98 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int wm = kWg ? warp % WM : warp / WN, wn = kWg ? warp / WM : warp % WN;
   const int g = lane >> 2, t = lane & 3;
   const int n_base = blockIdx.y * BN;
-  const ExpertWeights ew = expert_weights<kBits>(qweight, scales, qzeros, expert, K, N, num_groups);
-  const int* qz_e = ew.qz;
+  const long long rows_q = static_cast<long long>(K) * kBits / 32;
+  const int* qw_e = qweight + expert * rows_q * N;
+  const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;
+  const int zwords = N * kBits / 32;
+  const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
   constexpr int kSymZero = 1 << (kBits - 1);
-  const KSlice ks = k_slice(K, KT, chunks_per_split, group_len);
-  const int nsteps = ks.nsteps, c_begin = ks.c_begin;
-  StepCopies<kBits, BM, BN, BN * 4> copies(a, qweight, scales, sorted + blk * BM, num_pairs, top_k, K, N, n_base, ew,
-                                           ks);
+
+  // ---- copy assignments, fixed per thread: a source pointer that advances by one 32-k chunk per issued step, and a
+  // shared-memory offset within a step. A source that must not be read (padding row, column past N, no zeros)
+  // zero-fills. Steps are issued in chunk order c_begin, c_begin + 1, ..., so nothing is recomputed per step: every
+  // warp issues its copies between barriers, and index arithmetic was once half of the main loop's instructions.
+  const int total_chunks = K / 32;
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  const int c_end = min(total_chunks, c_begin + chunks_per_split);
+  const int nsteps = (c_end - c_begin + KT - 1) / KT;  // pipeline steps of KT chunks (the last may be partial)
+  const int chunks_per_group = group_len / 32;
+  const int grp0 = c_begin / chunks_per_group;
+  int grp_next = (grp0 + 1) * chunks_per_group;  // first chunk of the next quantization group
+
+  // A: row r = tid / 4 + i * THREADS / 4, 16-byte chunk c = tid % 4; the rows of one thread share a swizzle key
+  constexpr int A_PER = BM * 4 / THREADS;  // 16-byte A chunks per thread per step (1 or 2)
+  static_assert((THREADS / 4) % 8 == 0, "the rows of one thread share a swizzle key");
+  const unsigned short* a_src[A_PER];
+  bool a_ok[A_PER];
+  const unsigned a_dst = (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);  // + i * (THREADS / 4) * 64
+#pragma unroll
+  for (int i = 0; i < A_PER; ++i) {
+    const int p = __ldg(sorted + blk * BM + (tid >> 2) + i * (THREADS / 4));
+    a_ok[i] = p >= 0 && p < num_pairs;
+    a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K + 8 * (tid & 3) : 0) + c_begin * 32;
+  }
+  // qweight: kBits rows x BN/4 chunks of 16 bytes per step
+  constexpr int Q_ROW = BN / 4, Q_PER = (kBits * Q_ROW + THREADS - 1) / THREADS;
+  const long long q_step = static_cast<long long>(kBits) * N;  // qweight words per 32-k chunk
+  const int* q_src[Q_PER];
+  bool q_ok[Q_PER];
+#pragma unroll
+  for (int i = 0; i < Q_PER; ++i) {
+    const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
+    q_ok[i] = idx < kBits * Q_ROW && n_base + 4 * q_chunk < N;
+    q_src[i] = qw_e + (q_ok[i] ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + c_begin * q_step;
+  }
+  // scales: BN/8 chunks (the last threads); zeros: BN*bits/128 chunks (the threads just below)
+  constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = L::kZ / 16;
+  const int s_chunk = tid - (THREADS - S_CHUNKS);
+  const bool s_do = s_chunk >= 0;
+  const bool s_ok = s_do && n_base + 8 * s_chunk < N;
+  const unsigned short* s_src = sc_e + static_cast<long long>(grp0) * N + (s_ok ? n_base + 8 * s_chunk : 0);
+  const int z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
+  const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
+  const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
+  const int z_step = zc_ok ? zwords : 0;
+  const int* z_src = zc_ok ? qz_e + static_cast<long long>(grp0) * zwords + n_base * kBits / 32 + 4 * z_thread : qw_e;
+
+  // one 32-k step's copies into the step at shared address st; `in` false (the rest of a partial last step past the
+  // slice end): zeros from valid base addresses, no reads, so the step adds nothing. Called with a literal, so each
+  // call site compiles to straight copies.
+  auto copy_step = [&](unsigned st, bool in) {
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);
+      if (in) a_src[i] += 32;
+    }
+#pragma unroll
+    for (int i = 0; i < Q_PER; ++i) {
+      if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)  // else the thread has no chunk
+        if (!(kProbe & 1))
+          gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, in ? q_src[i] : qweight, in && q_ok[i]);
+      if (in) q_src[i] += q_step;
+    }
+    if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, in ? s_src : scales, in && s_ok);
+    if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, in ? z_src : qweight, in && zc_ok);
+  };
+  // one 32-k step (chunk c, the next in order)
+  auto issue_step = [&](unsigned st, int c) {
+    if (c < c_end) {
+      if (c >= grp_next) {
+        grp_next += chunks_per_group;
+        s_src += N;
+        z_src += z_step;
+      }
+      copy_step(st, true);
+    } else {
+      copy_step(st, false);
+    }
+  };
   const unsigned smem_base = gptq::smem_u32(smem);
   auto issue = [&](int slot, int c) {
 #pragma unroll
-    for (int s = 0; s < KT; ++s) copies.issue(smem_base + slot * L::kStage + s * L::kStep, c + s);
+    for (int s = 0; s < KT; ++s) issue_step(smem_base + slot * L::kStage + s * L::kStep, c + s);
   };
+
   // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, RPT per thread)
   constexpr int RPT = 4 * BN / THREADS;
   const int dn = tid % BN, dk = tid / BN;  // runs RPT*dk .. RPT*dk + RPT-1
@@ -809,7 +739,14 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
                                    col) = make_float2(acc[mt][j][2 * h], acc[mt][j][2 * h + 1]);
       }
     }
-  if (!last_arrival(tickets, split_k)) return;
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int* ticket = tickets + static_cast<long long>(blk) * gridDim.y + blockIdx.y;
+  if (tid == 0) last = atomicAdd(ticket, 1) == split_k - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
 #pragma unroll
   for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
@@ -831,7 +768,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
         *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + col) = gptq::pack2<kBf16>(v0 * w, v1 * w);
       }
     }
-  if (tid == 0) *ticket_of(tickets) = 0;
+  if (tid == 0) *ticket = 0;
 }
 
 // ================================================================================================================
@@ -877,7 +814,7 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
             int* __restrict__ tickets,                   // [C / T, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
             int split_k, int chunks_per_split) {
-  constexpr int BN = 128 * MW, NJ = T / 8, NC = 2 * MW;
+  constexpr int BN = 128 * MW, THREADS = 256, NJ = T / 8, NC = 2 * MW;
   using L = WsSmem<T, BN, kBits, NS, KT>;
   static_assert(T == 16 || T == 32 || T == 64 || T == 128, "T");
   static_assert(MW == 1 || MW == 2, "MW");
@@ -895,18 +832,92 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3, wg = warp >> 2;
   const int n_base = blockIdx.y * BN;
-  const ExpertWeights ew = expert_weights<kBits>(qweight, scales, qzeros, expert, K, N, num_groups);
-  const int* qz_e = ew.qz;
+  const long long rows_q = static_cast<long long>(K) * kBits / 32;
+  const int* qw_e = qweight + expert * rows_q * N;
+  const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;
+  const int zwords = N * kBits / 32;
+  const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
   constexpr int kSymZero = 1 << (kBits - 1);
-  const KSlice ks = k_slice(K, KT, chunks_per_split, group_len);
-  const int nsteps = ks.nsteps, c_begin = ks.c_begin, chunks_per_group = ks.chunks_per_group;
-  StepCopies<kBits, T, BN, L::kQRow> copies(a, qweight, scales, sorted + blk * T, num_pairs, top_k, K, N, n_base, ew,
-                                            ks);
+
+  const int total_chunks = K / 32;
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  const int c_end = min(total_chunks, c_begin + chunks_per_split);
+  const int nsteps = (c_end - c_begin + KT - 1) / KT;
+  const int chunks_per_group = group_len / 32;
+  const int grp0 = c_begin / chunks_per_group;
+  int grp_next = (grp0 + 1) * chunks_per_group;
+
+  // ---- copy assignments (as in moe_gemm_tc): per-thread source pointers advanced one 32-k chunk per issued step.
+  // Written out again on purpose: one helper struct for both kernels changed moe_gemm_tc's register allocation and
+  // cost its 128 x 256 instance 3-7% (H200, 2026-12-03 17:45, same-run A/B, docs/performance.md).
+  constexpr int A_CH = 4 * T, A_PER = (A_CH + THREADS - 1) / THREADS;
+  const unsigned short* a_src[A_PER];
+  bool a_ok[A_PER];
+  const unsigned a_dst = (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);  // + i * (THREADS / 4) * 64
+#pragma unroll
+  for (int i = 0; i < A_PER; ++i) {
+    const int row = (tid >> 2) + i * (THREADS / 4);
+    const int p = row < T ? __ldg(sorted + blk * T + row) : -1;
+    a_ok[i] = p >= 0 && p < num_pairs;
+    a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K + 8 * (tid & 3) : 0) + c_begin * 32;
+  }
+  constexpr int Q_ROW = BN / 4, Q_CH = kBits * Q_ROW, Q_PER = (Q_CH + THREADS - 1) / THREADS;
+  const long long q_step = static_cast<long long>(kBits) * N;
+  const int* q_src[Q_PER];
+  bool q_ok[Q_PER];
+  unsigned q_dst[Q_PER];
+#pragma unroll
+  for (int i = 0; i < Q_PER; ++i) {
+    const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
+    q_ok[i] = idx < Q_CH && n_base + 4 * q_chunk < N;
+    q_src[i] = qw_e + (q_ok[i] ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + c_begin * q_step;
+    q_dst[i] = L::kA + q_row * L::kQRow + q_chunk * 16;
+  }
+  constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = L::kZ / 16;
+  const int s_chunk = tid - (THREADS - S_CHUNKS);
+  const bool s_do = s_chunk >= 0;
+  const bool s_ok = s_do && n_base + 8 * s_chunk < N;
+  const unsigned short* s_src = sc_e + static_cast<long long>(grp0) * N + (s_ok ? n_base + 8 * s_chunk : 0);
+  const int z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
+  const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
+  const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
+  const int z_step = zc_ok ? zwords : 0;
+  const int* z_src = zc_ok ? qz_e + static_cast<long long>(grp0) * zwords + n_base * kBits / 32 + 4 * z_thread : qw_e;
+
+  auto copy_step = [&](unsigned st, bool in) {
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      if ((i + 1) * THREADS <= A_CH || tid + i * THREADS < A_CH)
+        gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);
+      if (in) a_src[i] += 32;
+    }
+#pragma unroll
+    for (int i = 0; i < Q_PER; ++i) {
+      if ((i + 1) * THREADS <= Q_CH || tid + i * THREADS < Q_CH)
+        gptq::cp_async16(st + q_dst[i], in ? q_src[i] : qweight, in && q_ok[i]);
+      if (in) q_src[i] += q_step;
+    }
+    if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, in ? s_src : scales, in && s_ok);
+    if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, in ? z_src : qweight, in && zc_ok);
+  };
+  auto issue_step = [&](unsigned st, int c) {
+    if (c < c_end) {
+      if (c >= grp_next) {
+        grp_next += chunks_per_group;
+        s_src += N;
+        z_src += z_step;
+      }
+      copy_step(st, true);
+    } else {
+      copy_step(st, false);
+    }
+  };
   const unsigned smem_base = gptq::smem_u32(smem);
   auto issue = [&](int slot, int c) {
 #pragma unroll
-    for (int s = 0; s < KT; ++s) copies.issue(smem_base + slot * L::kStage + s * L::kStep, c + s);
+    for (int s = 0; s < KT; ++s) issue_step(smem_base + slot * L::kStage + s * L::kStep, c + s);
   };
+
   // ---- A fragments: column ci = 2 * mw + h is tile column 16 * (warp % 4) + g + 8h of m64 tile mw
   int col[NC];
 #pragma unroll
@@ -1063,7 +1074,14 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
               make_float2(left, right);
       }
     }
-  if (!last_arrival(tickets, split_k)) return;
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int* ticket = tickets + static_cast<long long>(blk) * gridDim.y + blockIdx.y;
+  if (tid == 0) last = atomicAdd(ticket, 1) == split_k - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
@@ -1086,5 +1104,5 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
         *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + c2) = gptq::pack2<kBf16>(v0 * w, v1 * w);
       }
     }
-  if (tid == 0) *ticket_of(tickets) = 0;
+  if (tid == 0) *ticket = 0;
 }

@@ -166,9 +166,8 @@ def test_gemm_block_32(bits, sym, act_order, dtype_name, gs, hopper, monkeypatch
     (64, 2, 4, 2, 4, False, True, "float16", 128)])
 def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype_name, gs, monkeypatch):
     """The sm_90a kernel with the weights as the wgmma M side (kind "ws"; 32-row blocks use it by default, the other
-    shapes here are for tuning): 16-128 rows per block, 128 or 256
-    columns, partial column tiles, split-K and not, an odd number of 32-k chunks (K = 1120 with 64-k stages), and
-    act-order (which runs the portable shape of the block size instead)."""
+    shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles, split-K and not, an odd
+    number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable shape instead)."""
     from cupy_moe import _compile
     if _compile.device_arch() != "sm_90a":
         pytest.skip("moe_gemm_ws needs sm_90a")
