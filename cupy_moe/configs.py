@@ -185,8 +185,8 @@ ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 10, 24, 96
 
 
 def hopper_enabled(arch: str) -> bool:
-    """Whether the Hopper variant of the tc kernel (wgmma) runs: on `sm_90a` unless the environment sets
-    CUPY_MOE_HOPPER=0 (the mma.sync variant then runs, e.g. to compare)."""
+    """Whether the Hopper kernels run (the tc kernel's wgmma variant and HOPPER_SHAPES): on `sm_90a` unless the
+    environment sets CUPY_MOE_HOPPER=0 (the portable kernels then run, e.g. to compare)."""
     return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 

@@ -156,10 +156,10 @@ __device__ __forceinline__ void dequant8(const u32 (&q)[kBits / 4], const unsign
 
 // ---- dequantization with one scale and zero for all 8 codes (no act-order) -------------------------------------
 // The per-group constants are built once per group (GroupConst) instead of once per 32-k chunk.
-// fp16: ss = scale pair; zlo = (1024 + z) pair; zhi = -(64 + z) pair.
+// fp16: ss = scale pair; zlo = (1024 + z) pair; zhi = -(64 + z) pair; zmix = -(1024 + z) | -(64 + z) (frag_chunk).
 // bf16: sf = scale as float; zf = 2^23 + z as float.
 struct GroupConst {
-  u32 ss, zlo, zhi;
+  u32 ss, zlo, zhi, zmix;
   float sf, zf;
 };
 
@@ -170,10 +170,11 @@ __device__ __forceinline__ GroupConst group_const(unsigned short s_bits, int z) 
     c.ss = u32(s_bits) * 0x10001u;
     c.zlo = (0x6400u | u32(z)) * 0x10001u;
     c.zhi = (0xD400u + (u32(z) << 4)) * 0x10001u;  // fp16 -(64 + z): ulp at 64 is 1/16
+    c.zmix = (0xE400u | u32(z)) | ((0xD400u + (u32(z) << 4)) << 16);
     c.sf = 0.f;
     c.zf = 0.f;
   } else {
-    c.ss = c.zlo = c.zhi = 0u;
+    c.ss = c.zlo = c.zhi = c.zmix = 0u;
     c.sf = half_bits_to_float(s_bits);
     c.zf = 8388608.0f + float(z);
   }
@@ -239,30 +240,10 @@ __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], con
 // For one output column and one 32-k chunk, f[i] = the pair k (8i + 2t, 8i + 2t + 1) (t = lane % 4): f[0], f[1] are
 // the column's k 2t and 2t + 8 pairs of the chunk's first k16 step, f[2], f[3] those of the second. 4-bit: the pair
 // is byte t of word i (words = the chunk's 4 qweight rows); 8-bit: half (t & 1) of word 2i + (t >> 1) (8 rows).
-// Values as everywhere: w = round((q - z) * s), q - z exact.
+// Values as everywhere: w = round((q - z) * s), q - z exact; c from group_const.
 // fp16 4-bit: one PRMT puts byte t of two words at bytes 0/2 and 1/3; masking 0x00F0000F then leaves the low code at
 // bits 0-3 and the high code at bits 20-23, i.e. the halves 1024 + lo and 1024 + 16 hi, and one fma with
-// (1, 1/16) and (-(1024 + z), -(64 + z)) gives (lo - z, hi - z) exactly.
-struct FragConst {
-  u32 ss, zz;  // fp16: scale pair; -(1024 + z) | -(64 + z) (4-bit) or -(1024 + z) pair (8-bit)
-  float sf, zf;  // bf16: scale, 2^23 + z
-};
-
-template <bool kBf16, int kBits>
-__device__ __forceinline__ FragConst frag_const(unsigned short s_bits, int z) {
-  FragConst c;
-  if constexpr (!kBf16) {
-    c.ss = u32(s_bits) * 0x10001u;
-    c.zz = (0xE400u | u32(z)) | ((kBits == 4 ? 0xD400u + (u32(z) << 4) : 0xE400u | u32(z)) << 16);
-    c.sf = c.zf = 0.f;
-  } else {
-    c.ss = c.zz = 0u;
-    c.sf = half_bits_to_float(s_bits);
-    c.zf = 8388608.0f + float(z);
-  }
-  return c;
-}
-
+// (1, 1/16) and (-(1024 + z), -(64 + z)) (zmix) gives (lo - z, hi - z) exactly.
 // qcol: the column's word of qweight row 0 in shared memory, rows `stride` words apart; sel: the PRMT selector of
 // the lane (frag_select).
 __device__ __forceinline__ u32 frag_select(int kBits, int t) {
@@ -271,7 +252,7 @@ __device__ __forceinline__ u32 frag_select(int kBits, int t) {
 }
 
 template <bool kBf16, int kBits>
-__device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u32 sel, const FragConst& c,
+__device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u32 sel, const GroupConst& c,
                                            u32 (&f)[4]) {
   if constexpr (kBits == 4) {
     const u32 w0 = qcol[0], w1 = qcol[stride], w2 = qcol[2 * stride], w3 = qcol[3 * stride];
@@ -280,7 +261,7 @@ __device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u
       const u32 p[4] = {and_or(x01, 0x00F0000Fu, 0x64006400u), and_or(x01 >> 8, 0x00F0000Fu, 0x64006400u),
                         and_or(x23, 0x00F0000Fu, 0x64006400u), and_or(x23 >> 8, 0x00F0000Fu, 0x64006400u)};
 #pragma unroll
-      for (int i = 0; i < 4; ++i) f[i] = hmul2(hfma2(p[i], 0x2C003C00u, c.zz), c.ss);
+      for (int i = 0; i < 4; ++i) f[i] = hmul2(hfma2(p[i], 0x2C003C00u, c.zmix), c.ss);
     } else {
       const u32 w[4] = {w0, w1, w2, w3};
 #pragma unroll
@@ -296,7 +277,7 @@ __device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u
     for (int i = 0; i < 4; ++i) {
       const u32 w = q[2 * i * stride];
       if constexpr (!kBf16) {
-        f[i] = hmul2(hfma2(prmt(w, 0x64646464u, sel), 0x3C003C00u, c.zz), c.ss);
+        f[i] = hmul2(hsub2(prmt(w, 0x64646464u, sel), c.zlo), c.ss);
       } else {
         const u32 b = w >> (16 * (t & 1));
         f[i] = pack2<true>((__uint_as_float(0x4B000000u | (b & 255u)) - c.zf) * c.sf,

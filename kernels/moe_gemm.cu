@@ -923,7 +923,7 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
   for (int ci = 0; ci < NC; ++ci) col[ci] = wg * 64 * MW + (ci >> 1) * 64 + 16 * (warp & 3) + g + 8 * (ci & 1);
   const u32 sel = gptq::frag_select(kBits, t);
-  gptq::FragConst fc[NC];
+  gptq::GroupConst fc[NC];
   int group_left = 0;  // chunks left in the group of the constants in fc
   using Frag = u32[KT][MW][2][4];  // [step][m64 tile][k16 half][register]
   auto dequant = [&](int slot, int c0, Frag& fr) {
@@ -941,7 +941,7 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
             const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[col[ci] * kBits / 32];
             zc = kBits == 4 ? (zw >> (4 * (col[ci] & 7))) & 15u : (zw >> (8 * (col[ci] & 3))) & 255u;
           }
-          fc[ci] = gptq::frag_const<kBf16, kBits>(sb, zc);
+          fc[ci] = gptq::group_const<kBf16>(sb, zc);
         }
       }
       --group_left;
