@@ -209,8 +209,6 @@ def use_tile(cfg):
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
     name = {16: "DECODE", 32: "DECODE_32", 64: "PREFILL", 128: "PREFILL_128"}[cfg.block_m]
     setattr(configs, name, cfg)
-    if cfg.block_m == 16:  # every 16-row problem runs the given shape
-        configs.WIDE_MIN_CTAS = math.inf
 
 
 def set_probe(bits):
@@ -248,17 +246,19 @@ def main(argv=None):
                     help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
                          "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
-    ap.add_argument("--wide-min-ctas", type=float, default=None,
-                    help="tuning: override configs.WIDE_MIN_CTAS (0: every 16-row problem runs DECODE_WIDE; inf: none)")
+    ap.add_argument("--resident", default=None,
+                    help="tuning: override configs.RESIDENT_PER_SM for the split-K estimate, e.g. '16=4'")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
     args = ap.parse_args(argv)
     if args.tiles:
         for cfg in parse_tiles(args.tiles):
             use_tile(cfg)
             print(f"# tile override {cfg}")
-    if args.wide_min_ctas is not None:
-        configs.WIDE_MIN_CTAS = args.wide_min_ctas
-        print(f"# WIDE_MIN_CTAS = {args.wide_min_ctas}")
+    if args.resident:
+        for item in args.resident.split(","):
+            key, val = (int(v) for v in item.split("="))
+            configs.RESIDENT_PER_SM[key] = val
+        print(f"# RESIDENT_PER_SM = {configs.RESIDENT_PER_SM}")
     if args.rows_64_max is not None:
         configs.ROWS_64_MAX = args.rows_64_max
         print(f"# ROWS_64_MAX = {args.rows_64_max}")
@@ -281,9 +281,7 @@ def main(argv=None):
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)
-                # w: the 256-column 16-row shape; s: the swapped-operand sm_90a kernel
-                wide = row["block_m"] == 16 and row["block_n"] > 128
-                shape = f"{row['block_m']}{'s' if row['kind'] == 'ws' else 'w' if wide else ''}"
+                shape = f"{row['block_m']}{'s' if row['kind'] == 'ws' else ''}"  # s: the swapped-operand kernel
                 print(f"{model:18s} {phase:7s} {m:5d} {shape:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
                       f"{row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} {row['flop_ratio']:6.2f} "
                       f"{row['baseline_us']:9.1f} {row['baseline_ratio']:7.2f}  {'pass' if row['pass'] else 'FAIL'}",

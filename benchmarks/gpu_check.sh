@@ -4,7 +4,9 @@
 #   layer.txt (whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model), examples.txt;
 #   when asked for: sweep.txt (the tile sweep of benchmarks/sweep_tiles.py with $SWEEP_ARGS; it runs first, so with
 #   --write the other stages use its winners), reads.txt (benchmarks/read_patterns.py) and ncu.txt + ncu_source.csv.gz
-#   (Nsight Compute on the rows of benchmarks/profile_rows.py, $NCU_ROWS: details and per-instruction stall samples).
+#   + ncu_raw.txt.gz
+#   (Nsight Compute on the rows of benchmarks/profile_rows.py, $NCU_ROWS: details, per-instruction stall samples and
+#   every raw metric, e.g. the pipe utilizations).
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
 # STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py;
 # TESTS_ARGS to pytest (default: the whole suite, whose NVRTC compile test alone takes about 3 minutes on a CPU
@@ -29,7 +31,8 @@ stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_ti
 stage ncu "${NCU_TIMEOUT:-300}" "$OUT/ncu.txt" bash -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
   "$ncu" --clock-control none --profile-from-start off --set full -f -o /tmp/prof python3 benchmarks/profile_rows.py ${NCU_ROWS:-} &&
   "$ncu" --import /tmp/prof.ncu-rep --page details &&
-  "$ncu" --import /tmp/prof.ncu-rep --page source --csv --print-source sass | gzip > "$0/ncu_source.csv.gz"' "$OUT"
+  "$ncu" --import /tmp/prof.ncu-rep --page source --csv --print-source sass | gzip > "$0/ncu_source.csv.gz" &&
+  "$ncu" --import /tmp/prof.ncu-rep --page raw | gzip > "$0/ncu_raw.txt.gz"' "$OUT"
 stage tests "${TESTS_TIMEOUT:-400}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
 stage bench "${BENCH_TIMEOUT:-260}" "$OUT/bench.txt" python3 benchmarks/bench_gemm.py --iters 8 --json /tmp/bench.json ${BENCH_ARGS:-}
 [[ -f /tmp/bench.json ]] && python3 benchmarks/plot_bench.py /tmp/bench.json "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1

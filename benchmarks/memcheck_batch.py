@@ -11,15 +11,12 @@ for i in range(6):
     case["a"] = int(min(case["e"], 1 + i % 3))
     t.run_case(rng, **case)
 # the prefill kernel with an odd number of 32-k chunks (its last 64-k stage half zero-filled), 32-row blocks with a
-# partial 256-column tile (on sm_90a the swapped-operand kernel) and split-K, and the 256-column decode shape
-# (forced: at this size the heuristic picks the 128-column one)
+# partial 256-column tile (on sm_90a the swapped-operand kernel) and split-K, and the 16-row decode instance compiled
+# for 4 CTAs per SM (4-bit, one group per stage) with a partial column tile
 common = dict(bits=4, sym=False, act_order=False, dtype_name="float16", routed=True, kind="uniform")
 t.run_case(rng, e=3, m=90, a=2, k=96, n=96, group_size=32, block_m=128, **common)
 t.run_case(rng, e=4, m=20, a=2, k=1120, n=160, group_size=32, block_m=32, **common)
-from cupy_moe import configs
-wide_min, configs.WIDE_MIN_CTAS = configs.WIDE_MIN_CTAS, 0
 t.run_case(rng, e=4, m=3, a=2, k=512, n=160, group_size=128, block_m=16, **common)
-configs.WIDE_MIN_CTAS = wide_min
 import cupy as cp
 from cupy_moe.align import moe_align_block_size
 moe_align_block_size(cp.asarray(rng.integers(0, 64, size=(5000, 4)).astype(np.int32)), 16, 64)  # multi-CTA path

@@ -7,17 +7,14 @@ docs/performance.md):
   (128 k) per pipeline stage, a warp-private cp.async weight ring (`stages - 1` stages in flight; activations,
   scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
   are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
-  (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. (Measured 2026-12-03:
-  carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower on the
-  geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
-- `moe_gemm` 16 x 256 (DECODE_WIDE: two 32-column groups per warp, 64-k stages): each activation fragment and its
-  operand shuffles serve twice the weights. Used for 16-row problems with at least WIDE_MIN_CTAS = 1024 CTAs of
-  256 columns (blocks x column tiles, estimated with touched = min(E, P)). H200, 2026-12-03 15:01 UTC, the 46
-  16-row rows of bench_gemm.py (M = 1-256), each run both ways in one call: at >= 1024 CTAs the wide shape took
-  0.933-1.004 of the 128-column time on all 15 rows (DeepSeek-V3 down M = 64 787 against 844 us, Qwen3-30B-A3B down
-  M = 16 38.6 against 40.1 us); below, it lost on 19 of 31 rows (Qwen1.5-MoE-A2.7B down M = 1 10.5 against 8.0 us,
-  DeepSeek-V2-Lite down M = 64 59.8 against 53.8 us), though it won on some (Mixtral-8x7B gate/up M = 1 68.9
-  against 73.4 us).
+  (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. The 4-bit mode-1
+  instance is compiled for 4 CTAs per SM (128 registers), the others fit 3 (MOE_GEMM_CTAS_PER_SM). (Measured
+  2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
+  on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
+- A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
+  CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:27 UTC) the 128-column shape at 4 CTAs per SM
+  then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
+  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance.md, 18:16-18:55).
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
   `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
   cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
@@ -43,33 +40,38 @@ docs/performance.md):
   and 128 rows to the tc kernel, the better of two shapes each by 3-27% (DeepSeek-V3 gate/up M = 1024 3236
   against 2885 us).
 
-Heuristic: rows per touched expert r = P / min(E, P) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
+Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
 two m16 tiles: an expert with 17-32 rows reads and dequantizes its weights once instead of twice; H200, 2026-12-03,
 against block 16: DeepSeek-V2-Lite M = 256 gate/up 209 -> 163 us, down 113 -> 92 us, Mixtral-8x22B down M = 64
 376 -> 319 us, the other five rows that switch within 2%; but Qwen1.5-MoE-A2.7B M = 256, 17 rows: down 83 -> 96 us),
 r <= 96 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
 gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against 8496 us in the
 benchmark; at 256 rows by 10-11%; the rows with 32 and 64 rows per expert do not move).
+Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
+phase passes M*A rows with A = 1); `min(E, M*A)` overestimated small batches (Mixtral M = 4: 8 against 5.5).
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
 16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
-waves = ceil(CTAs / resident slots), slots = RESIDENT_PER_SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
+waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
 epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
-Examples (decode, 396 slots): 448 CTAs x 32 stages split 3 ways (estimate 52; unsplit 68: a second wave of 52
-CTAs; 4 ways 50); 64 CTAs x 112 stages split 6 ways.
+Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (estimate 34; 2 ways 36);
+64 CTAs x 112 stages split 8 ways. H200, 2026-12-03 18:54 UTC (benchmarks/sweep_splits.py: 60 rows of M = 1-64,
+every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
+Mixtral-8x22B down M = 4: 2 ways 170 against 8 ways 139 us); on the same kind of sweep at 18:25 the previous rule
+(3 CTAs per SM, touched = min(E, M*A)) took 1.032 (worst 1.55).
 `block_m` is the align block size the layer must pass to `moe_align_block_size`.
 """
 from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-__all__ = ["GemmConfig", "choose_config", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M", "NUM_SMS",
-           "DECODE_WIDE", "WIDE_MIN_CTAS",
-           "kernel_instance", "all_name_expressions", "MODEL_SHAPES", "tuned_cache_path", "tuning_key",
+__all__ = ["GemmConfig", "choose_config", "expected_experts", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "SUPPORTED_BLOCK_M",
+           "NUM_SMS", "kernel_instance", "all_name_expressions", "MODEL_SHAPES", "tuned_cache_path", "tuning_key",
            "tuned_table", "save_tuned", "hopper_enabled"]
 
 # The MoE shapes of SHAPES.md: name -> (H, I, E, A). Benchmarks and `python -m cupy_moe tune` use these.
@@ -86,8 +88,10 @@ MODEL_SHAPES = {
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
-# (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
-RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
+# 4 (MOE_GEMM_CTAS_PER_SM: 3 unless 4-bit with one group per stage) and 32 x 128 (about 165 registers): 3; tc 64 x 256
+# (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
+RESIDENT_PER_SM = {16: 4, 32: 3, 64: 2, 128: 1}
+MOE_GEMM_CTAS_PER_SM = 3  # moe_gemm instances that kernels/moe_gemm.cu does not bound to 4 CTAs per SM
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
 
@@ -166,9 +170,6 @@ class GemmConfig:
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
 DECODE_32 = GemmConfig(mt=2, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # two m16 tiles share each dequantized weight
-# 16-row blocks, 256 columns: each activation fragment feeds two column groups (problems with many CTAs)
-DECODE_WIDE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=2, ku=2, stages=2)
-WIDE_MIN_CTAS = 1024  # 16-row problems with at least this many (block, 256-column tile) CTAs run DECODE_WIDE
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
 KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)}
@@ -210,25 +211,26 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
         for bf16 in (False, True):
             for bits in (4, 8):
-                for cfg in (*KERNEL_SHAPES.values(), DECODE_WIDE, *HOPPER_SHAPES.values()):
+                for cfg in (*KERNEL_SHAPES.values(), *HOPPER_SHAPES.values()):
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
                         names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))
 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int,
-                  block_m: int | None = None, hopper: bool | None = None) -> GemmConfig:
+                  block_m: int | None = None, hopper: bool | None = None, act_order: bool = False) -> GemmConfig:
     """The tile configuration for one GEMM phase.
 
     m: tokens M (rows of the activation), e: experts E, a: top-k A of this phase (the down phase passes
     m = M*A rows and a = 1), k: K, n: N, bits, group_size: G (-1 = one group).
     block_m: force the tile height (the align block size already used); None = heuristic.
     hopper: whether the sm_90a kernels run (HOPPER_SHAPES); None = ask the current device (False without a GPU).
+    act_order: the weights carry g_idx (only the split-K estimate's CTAs per SM depend on it).
     Returns a GemmConfig; its `block_m` is the block size to align with.
     A configuration measured by `python -m cupy_moe tune` for this GPU and problem wins over the heuristic.
     """
     pairs = max(1, m * a)
-    touched = min(e, pairs)
+    touched = expected_experts(m, e, a)
     rows = pairs / touched
     if hopper is None:
         hopper = _device_hopper()
@@ -236,7 +238,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     def shape(bm):
         if hopper and bm in HOPPER_SHAPES:
             return HOPPER_SHAPES[bm]
-        return _widen(KERNEL_SHAPES[bm], touched, rows, n)
+        return KERNEL_SHAPES[bm]
 
     tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
     if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
@@ -248,11 +250,10 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     base = shape(block_m)
     blocks = _blocks(touched, rows, base.block_m)
     n_tiles = -(-n // base.block_n)
-    ctas = blocks * n_tiles
+    ctas = math.ceil(blocks * n_tiles)
     chunks = max(1, k // 32)
     max_split = max(1, min(_MAX_SPLIT, chunks // (2 * base.ku)))
-    resident = WS_RESIDENT_PER_SM if base.kind == "ws" else RESIDENT_PER_SM.get(base.block_m, 1)
-    slots = resident * NUM_SMS
+    slots = _ctas_per_sm(base, bits, k if group_size == -1 else group_size, act_order) * NUM_SMS
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
@@ -264,15 +265,21 @@ def _device_hopper() -> bool:
     return _xp.gpu_available() and hopper_enabled(_compile.device_arch())
 
 
-def _widen(base: GemmConfig, touched: int, rows: float, n: int) -> GemmConfig:
-    """DECODE_WIDE in place of the 16-row shape when the problem has at least WIDE_MIN_CTAS CTAs of 256 columns."""
-    if base.block_m != 16:
-        return base
-    ctas = _blocks(touched, rows, 16) * -(-n // DECODE_WIDE.block_n)
-    return DECODE_WIDE if ctas >= WIDE_MIN_CTAS else base
+def expected_experts(m: int, e: int, a: int) -> float:
+    """Distinct experts that m tokens with top-a of e experts touch on average under uniform routing (at least 1)."""
+    return max(1.0, round(e * (1.0 - (1.0 - min(1.0, a / e)) ** max(1, m)), 6))
 
 
-def _blocks(touched: int, rows: float, block_m: int) -> int:
+def _ctas_per_sm(cfg: GemmConfig, bits: int, group_len: int, act_order: bool) -> int:
+    """CTAs of `cfg` resident per SM, for the split-K estimate (see RESIDENT_PER_SM)."""
+    if cfg.kind == "ws":
+        return WS_RESIDENT_PER_SM
+    if cfg.kind == "reg" and cfg.block_m == 16 and (bits != 4 or cfg.group_mode(act_order, group_len) != 1):
+        return MOE_GEMM_CTAS_PER_SM
+    return RESIDENT_PER_SM.get(cfg.block_m, 1)
+
+
+def _blocks(touched: float, rows: float, block_m: int) -> float:
     """Live m-blocks of the aligned pair list, about: touched experts x blocks of their average row count."""
     return touched * -(-int(rows + 0.999) // block_m)
 

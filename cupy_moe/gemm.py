@@ -160,7 +160,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     if block_m is None or p == 0 or n == 0:
         return out
     hopper = configs.hopper_enabled(_compile.device_arch())
-    cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper)
+    cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper,
+                                act_order=g_idx is not None)
     cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper)
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32

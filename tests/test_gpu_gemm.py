@@ -130,20 +130,6 @@ def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeyp
                      dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
 
 
-@pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
-    (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 64),
-    (8, True, True, "bfloat16", 128), (4, False, False, "float16", -1)])
-def test_gemm_decode_wide(bits, sym, act_order, dtype_name, gs, monkeypatch):
-    """The 256-column 16-row shape (two column groups per warp): partial column tiles (96, 160, 288 columns: a
-    warp's second group, or the whole warp, past N), split-K, group modes 0-2."""
-    monkeypatch.setattr(configs, "WIDE_MIN_CTAS", 0)
-    rng = np.random.default_rng(256 + bits + 2 * sym + 4 * act_order)
-    for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96), (3, 5, 2, 512, 512)):
-        assert configs.choose_config(m, e, a, k, n, bits, gs, block_m=16).block_n == 256
-        run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
-                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
-
-
 @pytest.mark.parametrize("hopper", ["1", "0"])
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
