@@ -12,9 +12,9 @@ docs/performance.md):
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
-  CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:27 UTC) the 128-column shape at 4 CTAs per SM
+  CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:26 UTC) the 128-column shape at 4 CTAs per SM
   then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
-  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance.md, 18:16-18:55).
+  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance.md, 18:16-18:47).
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
   `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
   cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
@@ -54,7 +54,7 @@ split_k (deterministic: partials reduced in fixed order by the last CTA of each 
 waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
 epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
 Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (estimate 34; 2 ways 36);
-64 CTAs x 112 stages split 8 ways. H200, 2026-12-03 18:54 UTC (benchmarks/sweep_splits.py: 60 rows of M = 1-64,
+64 CTAs x 112 stages split 8 ways. H200, 2026-12-03 18:46 UTC (benchmarks/sweep_splits.py: 60 rows of M = 1-64,
 every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
 Mixtral-8x22B down M = 4: 2 ways 170 against 8 ways 139 us); on the same kind of sweep at 18:25 the previous rule
 (3 CTAs per SM, touched = min(E, M*A)) took 1.032 (worst 1.55).
