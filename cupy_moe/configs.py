@@ -14,7 +14,7 @@ docs/performance.md):
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
   CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:26 UTC) the 128-column shape at 4 CTAs per SM
   then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
-  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance.md, 18:16-18:47).
+  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance.md, 18:16-18:55).
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
   `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
   cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
