@@ -247,7 +247,8 @@ def main(argv=None):
                          "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
     ap.add_argument("--resident", default=None,
-                    help="tuning: override configs.RESIDENT_PER_SM for the split-K estimate, e.g. '16=4'")
+                    help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
+                         "for the split-K estimate, e.g. '32=2'")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
     args = ap.parse_args(argv)
     if args.tiles:

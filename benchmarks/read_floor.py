@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 from bench_gemm import MODELS, copy_bandwidth, phase_shape  # noqa: E402
+from cupy_moe.configs import expected_experts  # noqa: E402
 from cupy_moe.tune import _graph_time  # noqa: E402
 
 _SRC = r"""
@@ -50,7 +51,7 @@ def read_time(kernel, n16, sink):
 def row_bytes(model, phase, m):
     _, _, e, a_top = MODELS[model]
     k, n, top_k, rows, w_bytes = phase_shape(model, phase, m)
-    touched = min(e, m * a_top) if m == 1 else e * (1 - (1 - a_top / e) ** m)
+    touched = expected_experts(m, e, a_top)
     return touched * w_bytes + rows * k * 2 + rows * top_k * n * 2
 
 

@@ -53,9 +53,9 @@ def main(argv=None):
                 out = cp.empty((m * a, n), cp.float16)
                 aligned = [moe_align_block_size(t, args.block_m, e) for t in ids]
                 calls = [lambda al=al: fused_moe_gemm(x, weight, *al, top_k, out=out) for al in aligned]
-                max_split = (k // 32) // (2 * pick.ku)
+                max_split = configs.max_split_k(k, pick.ku)
                 times = {}
-                for s in (s for s in SPLITS if s <= max(1, max_split)):
+                for s in (s for s in SPLITS if s <= max_split):
                     table[key] = {"block_m": args.block_m, "split_k": s}  # choose_config returns it now
                     times[s] = tune._graph_time(cp, stream, calls, 10) * 1e6
                 del table[key]

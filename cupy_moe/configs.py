@@ -8,7 +8,7 @@ docs/performance.md):
   scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
   are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
   (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. The 4-bit mode-1
-  instance is compiled for 4 CTAs per SM (128 registers), the others fit 3 (MOE_GEMM_CTAS_PER_SM). (Measured
+  instance is compiled for 4 CTAs per SM (128 registers, GemmConfig.min_ctas), the others fit 3. (Measured
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
@@ -87,11 +87,11 @@ MODEL_SHAPES = {
 }
 
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
-# CTAs resident per SM for each block_m (shared memory / registers of the default shapes, ptxas -v): decode 16 x 128
-# 4 (MOE_GEMM_CTAS_PER_SM: 3 unless 4-bit with one group per stage) and 32 x 128 (about 165 registers): 3; tc 64 x 256
-# (89 KiB): 2; tc 128 x 256 (about 190 registers): 1.
-RESIDENT_PER_SM = {16: 4, 32: 3, 64: 2, 128: 1}
-MOE_GEMM_CTAS_PER_SM = 3  # moe_gemm instances that kernels/moe_gemm.cu does not bound to 4 CTAs per SM
+# CTAs resident per SM for each block_m without a launch bound (shared memory / registers of the default shapes,
+# ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256
+# (about 190 registers): 1. GemmConfig.min_ctas raises the 16 x 128 shape's to BOUNDED_CTAS_PER_SM where it fits.
+RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
+BOUNDED_CTAS_PER_SM = 4  # moe_gemm 16 x 128 at 4 bits, group mode 1: 128 registers, no spills
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
 
@@ -133,6 +133,19 @@ class GemmConfig:
             return 2
         return 1 if group_len is not None and group_len % (32 * self.ku) == 0 else 0
 
+    def min_ctas(self, bits: int, group_mode: int) -> int:
+        """moe_gemm's launch bound: CTAs per SM the compiler must fit in registers (1: none). Only the 16 x 128 shape
+        at 4 bits with one group per stage fits BOUNDED_CTAS_PER_SM without spills; other instances would spill."""
+        fits = (self.kind == "reg" and (self.mt, self.warps_m, self.warps_n, self.ng) == (1, 1, 4, 1) and bits == 4
+                and group_mode == 1)
+        return BOUNDED_CTAS_PER_SM if fits else 1
+
+    def ctas_per_sm(self, bits: int, group_mode: int) -> int:
+        """CTAs resident per SM, for the split-K estimate."""
+        if self.kind == "ws":
+            return WS_RESIDENT_PER_SM
+        return max(self.min_ctas(bits, group_mode), RESIDENT_PER_SM.get(self.block_m, 1))
+
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
                         hopper: bool = False) -> str:
         """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none)."""
@@ -147,8 +160,9 @@ class GemmConfig:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
             return (f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {self.ku}, "
                     f"{b(hopper)}>")
+        gm = self.group_mode(act_order, group_len)
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{self.stages}, {self.group_mode(act_order, group_len)}>")
+                f"{self.stages}, {gm}, {self.min_ctas(bits, gm)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
         """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
@@ -252,7 +266,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     n_tiles = -(-n // base.block_n)
     ctas = math.ceil(blocks * n_tiles)
     chunks = max(1, k // 32)
-    max_split = max(1, min(_MAX_SPLIT, chunks // (2 * base.ku)))
+    max_split = max_split_k(k, base.ku)
     slots = _ctas_per_sm(base, bits, k if group_size == -1 else group_size, act_order) * NUM_SMS
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
@@ -270,13 +284,14 @@ def expected_experts(m: int, e: int, a: int) -> float:
     return max(1.0, round(e * (1.0 - (1.0 - min(1.0, a / e)) ** max(1, m)), 6))
 
 
+def max_split_k(k: int, ku: int) -> int:
+    """The most K slices of a shape with `ku` 32-k chunks per stage: each keeps at least 2 stages, at most _MAX_SPLIT."""
+    return max(1, min(_MAX_SPLIT, (k // 32) // (2 * ku)))
+
+
 def _ctas_per_sm(cfg: GemmConfig, bits: int, group_len: int, act_order: bool) -> int:
-    """CTAs of `cfg` resident per SM, for the split-K estimate (see RESIDENT_PER_SM)."""
-    if cfg.kind == "ws":
-        return WS_RESIDENT_PER_SM
-    if cfg.kind == "reg" and cfg.block_m == 16 and (bits != 4 or cfg.group_mode(act_order, group_len) != 1):
-        return MOE_GEMM_CTAS_PER_SM
-    return RESIDENT_PER_SM.get(cfg.block_m, 1)
+    """CTAs of the instance `cfg` launches resident per SM (GemmConfig.ctas_per_sm)."""
+    return cfg.ctas_per_sm(bits, cfg.group_mode(act_order, group_len))
 
 
 def _blocks(touched: float, rows: float, block_m: int) -> float:

@@ -94,7 +94,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                     heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size)
                 candidates = {(heuristic.block_m, heuristic.split_k)}
                 for block_m in configs.SUPPORTED_BLOCK_M:
-                    max_split = max(1, min(configs._MAX_SPLIT, (k // 32) // (2 * configs.KERNEL_SHAPES[block_m].ku)))
+                    max_split = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
                     candidates.update((block_m, s) for s in SPLITS if s <= max_split)
                 timings = {}
                 for block_m, split in sorted(candidates):

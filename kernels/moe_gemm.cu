@@ -37,14 +37,14 @@ constexpr int kProbe = CUPY_MOE_PROBE;
 // GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
 // launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
 // per stage; 2 = act-order (g_idx: every k has its own group).
-// CTAs per SM the compiler must fit in registers: 4 for the 16 x 128 decode shape at 4 bits with one group per stage
-// (128 registers, no spills; 146 without the bound, which fits 3). H200, 2026-12-03 18:23 UTC, same splits: 4 CTAs
-// (16 warps) per SM took 0.89-0.97 of the 3-CTA time on 12 of 32 decode rows and 0.97-1.01 on 19 (Mixtral-8x7B
-// gate/up M = 1 67.7 against 73.2 us); the kernel is latency-bound, about one eligible warp per scheduler at 3 CTAs
-// (Nsight Compute). The split estimate counts the fourth CTA (configs.py), which the one slower row needed.
-// Other instances spill under the bound and keep the compiler's choice (configs.py counts their CTAs per SM).
-template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM>
-__global__ void __launch_bounds__(WM * WN * 32, MT == 1 && NG == 1 && kBits == 4 && GM == 1 ? 4 : 1)
+// MINB: CTAs per SM the compiler must fit in registers (1: no bound), chosen by configs.GemmConfig.min_ctas: 4 for the
+// 16 x 128 decode shape at 4 bits with one group per stage (128 registers, no spills; 146 without the bound, which
+// fits 3). H200, 2026-12-03 18:23 UTC, same splits: 4 CTAs (16 warps) per SM took 0.89-0.97 of the 3-CTA time on 12
+// of 32 decode rows and 0.97-1.01 on 19 (Mixtral-8x7B gate/up M = 1 67.7 against 73.2 us); the kernel is
+// latency-bound, about one eligible warp per scheduler at 3 CTAs (Nsight Compute). The split estimate counts the
+// fourth CTA, which the one slower row needed. Other instances would spill under the bound.
+template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM, int MINB>
+__global__ void __launch_bounds__(WM * WN * 32, MINB)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          const int* __restrict__ qweight,             // [E, K*bits/32, N]
          const unsigned short* __restrict__ scales,   // [E, groups, N] fp16 bits

@@ -133,10 +133,12 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     plain = configs.kernel_instance(dec, True, 8, False, 128)
     assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == plain and plain[2] == 0
     name = configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, False, 128)
-    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 4, 2, 1>"
+    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 4, 2, 1, 1>"
+    # the 4-bit, one-group-per-stage instance carries the launch bound of 4 CTAs per SM
+    assert dec.name_expression(False, 4, False, 128).endswith(", 1, 4>")
     # act-order at a tc block size falls back to moe_gemm (group mode 2), which has no wgmma variant
     cfg, name, smem = configs.kernel_instance(tc, False, 4, True, 128, hopper=True)
-    assert name.startswith("moe_gemm<") and name.endswith(", 2>") and smem == 0
+    assert name.startswith("moe_gemm<") and name.endswith(", 2, 1>") and smem == 0
     monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
     assert not configs.hopper_enabled("sm_90a")
     monkeypatch.setenv("CUPY_MOE_HOPPER", "1")
