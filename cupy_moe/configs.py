@@ -127,11 +127,13 @@ class GemmConfig:
     def threads(self) -> int:
         return self.warps_m * self.warps_n * 32
 
-    def group_mode(self, act_order: bool, group_len: int | None) -> int:
-        """moe_gemm's GM: 2 act-order, 1 one group per stage (group_len % (32*ku) == 0), else 0."""
+    def group_mode(self, act_order: bool, group_len: int | None, k: int | None = None) -> int:
+        """moe_gemm's GM: 2 act-order; 1 one group per stage and every stage whole (group_len and K multiples of
+        32*ku; k None: any K that is); else 0."""
         if act_order:
             return 2
-        return 1 if group_len is not None and group_len % (32 * self.ku) == 0 else 0
+        stage = 32 * self.ku
+        return 1 if group_len is not None and group_len % stage == 0 and (k is None or k % stage == 0) else 0
 
     def min_ctas(self, bits: int, group_mode: int) -> int:
         """moe_gemm's launch bound: CTAs per SM the compiler must fit in registers (1: none). Only the 16 x 128 shape
@@ -147,7 +149,7 @@ class GemmConfig:
         return max(self.min_ctas(bits, group_mode), RESIDENT_PER_SM.get(self.block_m, 1))
 
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
-                        hopper: bool = False) -> str:
+                        hopper: bool = False, k: int | None = None) -> str:
         """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none)."""
         b = lambda flag: "true" if flag else "false"
         if self.kind == "ws":
@@ -160,7 +162,7 @@ class GemmConfig:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
             return (f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {self.ku}, "
                     f"{b(hopper)}>")
-        gm = self.group_mode(act_order, group_len)
+        gm = self.group_mode(act_order, group_len, k)
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
                 f"{self.stages}, {gm}, {self.min_ctas(bits, gm)}>")
 
@@ -205,7 +207,8 @@ def hopper_enabled(arch: str) -> bool:
     return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 
-def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, hopper: bool = False):
+def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, hopper: bool = False,
+                    k: int | None = None):
     """(config actually launched, name expression, dynamic shared-memory bytes) for one call.
 
     The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m].
@@ -215,7 +218,7 @@ def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, gro
         cfg = replace(_PORTABLE_SHAPES[cfg.block_m], split_k=cfg.split_k)
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
-    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper), cfg.smem_bytes(bits, hopper)
+    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper, k), cfg.smem_bytes(bits, hopper)
 
 
 def all_name_expressions(arch: str = "sm_80") -> list[str]:
@@ -267,7 +270,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     ctas = math.ceil(blocks * n_tiles)
     chunks = max(1, k // 32)
     max_split = max_split_k(k, base.ku)
-    slots = _ctas_per_sm(base, bits, k if group_size == -1 else group_size, act_order) * NUM_SMS
+    slots = _ctas_per_sm(base, bits, k if group_size == -1 else group_size, act_order, k) * NUM_SMS
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
@@ -289,9 +292,9 @@ def max_split_k(k: int, ku: int) -> int:
     return max(1, min(_MAX_SPLIT, (k // 32) // (2 * ku)))
 
 
-def _ctas_per_sm(cfg: GemmConfig, bits: int, group_len: int, act_order: bool) -> int:
+def _ctas_per_sm(cfg: GemmConfig, bits: int, group_len: int, act_order: bool, k: int) -> int:
     """CTAs of the instance `cfg` launches resident per SM (GemmConfig.ctas_per_sm)."""
-    return cfg.ctas_per_sm(bits, cfg.group_mode(act_order, group_len))
+    return cfg.ctas_per_sm(bits, cfg.group_mode(act_order, group_len, k))
 
 
 def _blocks(touched: float, rows: float, block_m: int) -> float:

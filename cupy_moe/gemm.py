@@ -162,7 +162,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     hopper = configs.hopper_enabled(_compile.device_arch())
     cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper,
                                 act_order=g_idx is not None)
-    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper)
+    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k)
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
     split = cfg.split_k

@@ -46,6 +46,12 @@ __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
   return d;
 }
 
+__device__ __forceinline__ u32 bf16_fma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
 // Four 8x8 b16 matrices from shared memory (lane l gives the row address of matrix l / 8, row l % 8).
 __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], unsigned smem_addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
@@ -93,6 +99,24 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
         "{%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// d = a * b (the accumulator input is zero).
+template <bool kBf16>
+__device__ __forceinline__ void mma16816_zero(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  if constexpr (kBf16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
   }
 }
 
@@ -174,19 +198,38 @@ __device__ __forceinline__ GroupConst group_const(unsigned short s_bits, int z) 
     c.sf = 0.f;
     c.zf = 0.f;
   } else {
-    c.ss = c.zlo = c.zhi = c.zmix = 0u;
+    c.ss = c.zhi = c.zmix = 0u;
+    c.zlo = (0xC300u | u32(z)) * 0x10001u;  // bf16 -(128 + z), 4-bit codes (dequant8u without kScale)
     c.sf = half_bits_to_float(s_bits);
     c.zf = 8388608.0f + float(z);
   }
   return c;
 }
 
+// 4-bit: the zero fields of four columns whose codes are the nibbles of z16 (column i at bits 4i .. 4i + 3), as
+// group_const sets them (fp16 zlo, zhi; bf16 zlo), in a few instructions instead of about 9 per column.
+template <bool kBf16>
+__device__ __forceinline__ void zero_consts4(u32 z16, GroupConst (&c)[4]) {
+  const u32 d = prmt(z16, z16, 0x1010u);  // the four codes in both halves
+#pragma unroll
+  for (int col = 0; col < 4; ++col) {
+    if constexpr (kBf16) {
+      c[col].zlo = and_or(d >> (4 * col), 0x000F000Fu, 0xC300C300u);  // -(128 + z)
+    } else {
+      c[col].zlo = and_or(d >> (4 * col), 0x000F000Fu, 0x64006400u);                            // 1024 + z
+      c[col].zhi = and_or(col == 0 ? d << 4 : d >> (4 * col - 4), 0x00F000F0u, 0xD400D400u);  // -(64 + z)
+    }
+  }
+}
+
 // Same pair order as dequant8 (4-bit: (k0,k4) (k1,k5) (k2,k6) (k3,k7); 8-bit: natural), same values
-// (w = round((q - z) * s), q - z exact).
+// (w = round((q - z) * s), q - z exact). kScale false: w = q - z (exact in fp16 and bf16 for 4 and 8 bits); the
+// caller applies the scale to the fp32 sums of the group instead.
 // fp16 4-bit: the odd nibbles are taken in place (16 q), 1024 + 16 q is exact, and one fma by 1/16 with
 // -(64 + z) gives q - z exactly, so only one shift per word is needed.
-template <bool kBf16, int kBits>
+template <bool kBf16, int kBits, bool kScale = true>
 __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const GroupConst& c, u32 (&out)[4]) {
+  const auto scaled = [&](u32 w) { return kScale ? hmul2(w, c.ss) : w; };
   if constexpr (!kBf16) {
     if constexpr (kBits == 4) {
       const u32 q8 = q[0] >> 8;
@@ -194,23 +237,28 @@ __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const Group
       const u32 p1 = and_or(q[0], 0x00F000F0u, 0x64006400u);
       const u32 p2 = and_or(q8, 0x000F000Fu, 0x64006400u);
       const u32 p3 = and_or(q8, 0x00F000F0u, 0x64006400u);
-      out[0] = hmul2(hsub2(p0, c.zlo), c.ss);
-      out[1] = hmul2(hfma2(p1, 0x2C002C00u, c.zhi), c.ss);
-      out[2] = hmul2(hsub2(p2, c.zlo), c.ss);
-      out[3] = hmul2(hfma2(p3, 0x2C002C00u, c.zhi), c.ss);
+      out[0] = scaled(hsub2(p0, c.zlo));
+      out[1] = scaled(hfma2(p1, 0x2C002C00u, c.zhi));
+      out[2] = scaled(hsub2(p2, c.zlo));
+      out[3] = scaled(hfma2(p3, 0x2C002C00u, c.zhi));
     } else {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const u32 codes = prmt(q[i >> 1], 0x64646464u, (i & 1) ? 0x7352u : 0x7150u);
-        out[i] = hmul2(hsub2(codes, c.zlo), c.ss);
+        out[i] = scaled(hsub2(codes, c.zlo));
       }
     }
+  } else if constexpr (kBits == 4 && !kScale) {
+    // bf16 128 + q is exact (7 mantissa bits), and one fma by 1 with -(128 + z) (zlo) gives q - z exactly
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = bf16_fma2(and_or(q[0] >> (4 * i), 0x000F000Fu, 0x43004300u), 0x3F803F80u, c.zlo);
   } else {
     float v[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const u32 code = kBits == 4 ? (q[0] >> (4 * j)) & 15u : (q[j >> 2] >> (8 * (j & 3))) & 255u;
-      v[j] = (__uint_as_float(0x4B000000u | code) - c.zf) * c.sf;
+      v[j] = __uint_as_float(0x4B000000u | code) - c.zf;
+      if constexpr (kScale) v[j] *= c.sf;
     }
     if constexpr (kBits == 4) {
 #pragma unroll

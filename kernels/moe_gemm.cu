@@ -64,6 +64,10 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int WPR = kBits / 4;  // qweight words per lane per column per 32-k chunk
   constexpr bool kActOrder = GM == 2;
   constexpr int KS = GM == 1 ? 1 : KU;  // scale/zero sets per stage
+  // GM 1: the weights are dequantized to q - z (exact) and each stage's fp32 sums are scaled once, in the
+  // accumulator layout (sa: the scales of the lane's 8 output columns)
+  constexpr bool kFold = GM == 1;
+  constexpr bool kWhole = GM == 1;  // every stage whole: the launcher picks GM 1 only when K % (32 * KU) == 0
   // Prologue: one dependent load before the first weight copy. The padded total and the expert id are loaded
   // together (expert_ids has an entry for every block of the grid); the pair ids, which only the activation loads
   // and the epilogue need, are loaded after the first weight stages are issued.
@@ -76,7 +80,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const int wm = warp / WN, wn = warp % WN;
   const int g = lane >> 2, t = lane & 3;
 
-  // rows of this lane: (mt, h) -> block row (wm*MT + mt)*16 + g + 8h; filled after the first weight copies
+  // rows of this lane: (mt, h) -> block row (wm*MT + mt)*16 + g + 8h; filled after the first weight copies, then
+  // stepped to the k of the next stage load() reads
   const unsigned short* a_row[MT][2];
   int pair_of[MT][2];
 
@@ -135,22 +140,24 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS;
   };
   auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* { return ring_base(stage, u, ng, r) + rd_pos; };
+  // The lane's copy source: qweight row kBits * c + WPR * cp_row (+ r) of chunk c, column n0 + 4 cp_col (+ 32 ng);
+  // a running pointer (one add per chunk).
+  const long long chunk_words = static_cast<long long>(kBits) * N;
+  const int* w_src = qw_e + (c_begin * chunk_words + WPR * cp_row * N) + n0[0] + 4 * cp_col;
+  const unsigned ring_cp = gptq::smem_u32(ring + threadIdx.x);  // the lane's copy slot, as a shared address
   auto issue_weights = [&](int stage, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int c = c0 + u;
-      const int k0 = c * 32;
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
+        // chunks past the slice end and columns past N are not computed, so their slots are left as they are
         const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
 #pragma unroll
-        for (int r = 0; r < WPR; ++r) {
-          const int* src = ok ? qw_e + static_cast<long long>(k0 / (32 / kBits) + WPR * cp_row + r) * N + n0[ng] +
-                                    4 * cp_col
-                              : qw_e;
-          gptq::cp_async16(ring_base(stage, u, ng, r) + threadIdx.x, src, ok);
-        }
+        for (int r = 0; r < WPR; ++r)
+          if (ok) gptq::cp_async16(ring_cp + 16 * static_cast<unsigned>(ring_base(stage, u, ng, r) - ring), w_src + r * N + 32 * ng, true);
       }
+      w_src += chunk_words;
     }
     gptq::cp_async_commit();
   };
@@ -158,58 +165,77 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // Activations, scales and zeros: registers, one stage ahead.
   struct Stage {
     uint4 x[KU][MT][2];
+  };
+  struct Groups {  // scales and zeros of a stage
     uint2 s[KS][NG];
+    uint4 sa[kFold ? NG : 1];
     u32 z[KS][NG];
   };
+  // Activation loads are unconditional: padding rows read row 0 of a (their sums are never stored), and chunks
+  // past the slice end (not computed; only without kWhole) read the slice's last chunk.
   auto load = [&](Stage& st, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
-      const int c = c0 + u;
-      const bool in = c < c_end;
-      const int k0 = c * 32;
+      const int k0 = (kWhole ? u : min(c0 + u, c_end - 1) - c0) * 32;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          st.x[u][mt][h] = (in && a_row[mt][h]) ? __ldg(reinterpret_cast<const uint4*>(a_row[mt][h] + k0))
-                                                : make_uint4(0, 0, 0, 0);
-      const int grp = k0 / group_len;
+        for (int h = 0; h < 2; ++h) st.x[u][mt][h] = __ldg(reinterpret_cast<const uint4*>(a_row[mt][h] + k0));
+    }
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        const bool ok = in && n_ok[ng];
-        if constexpr (!kActOrder) {
-          if (u >= KS) continue;
-          st.s[u][ng] = ok ? __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(grp) * N + n0[ng] + 4 * g))
-                           : make_uint2(0, 0);
-          st.z[u][ng] = (ok && qz_e) ? static_cast<u32>(__ldg(qz_e + static_cast<long long>(grp) * zwords +
-                                                                  (n0[ng] + 4 * g) * kBits / 32))
-                                     : 0u;
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) a_row[mt][h] += 32 * KU;  // a running pointer: the next stage's k
+  };
+  // GM 1: scale and zero rows of the group of the next stage to load (the main loop steps them); the other modes
+  // divide per chunk.
+  const unsigned short* sc_grp = sc_e;
+  const int* qz_grp = qz_e;
+  auto load_groups = [&](Groups& gr, int c0) {
+    if constexpr (!kActOrder) {
+#pragma unroll
+      for (int u = 0; u < KS; ++u) {
+        const int c = c0 + u;
+        const long long grp = GM == 1 ? 0 : (c * 32) / group_len;
+        const unsigned short* sc = sc_grp + grp * N;
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) {
+          if (!((kWhole || c < c_end) && n_ok[ng])) continue;
+          if constexpr (kFold) {
+            gr.sa[ng] = __ldg(reinterpret_cast<const uint4*>(sc + n0[ng] + 8 * t));
+          } else {
+            gr.s[u][ng] = __ldg(reinterpret_cast<const uint2*>(sc + n0[ng] + 4 * g));
+          }
+          if (qz_e) gr.z[u][ng] = static_cast<u32>(__ldg(qz_grp + grp * zwords + (n0[ng] + 4 * g) * kBits / 32));
         }
       }
     }
   };
 
   // per-(set, ng, col) dequantization constants, built from the stage's scale/zero words
-  auto unpack = [&](const Stage& st, int u, int ng, int col) -> gptq::GroupConst {
-    const u32 sw = col < 2 ? st.s[u][ng].x : st.s[u][ng].y;
-    const unsigned short sb = static_cast<unsigned short>(sw >> (16 * (col & 1)));
-    int zc = kSymZero;
-    if (qz_e) zc = kBits == 4 ? (st.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (st.z[u][ng] >> (8 * col)) & 255u;
-    return gptq::group_const<kBf16>(sb, zc);
+  auto unpack = [&](const Groups& gr, int u, int ng, gptq::GroupConst (&gc)[4]) {
+#pragma unroll
+    for (int col = 0; col < 4; ++col) {
+      const u32 sw = kFold ? 0u : col < 2 ? gr.s[u][ng].x : gr.s[u][ng].y;
+      const unsigned short sb = static_cast<unsigned short>(sw >> (16 * (col & 1)));
+      int zc = kSymZero;
+      if (qz_e) zc = kBits == 4 ? (gr.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (gr.z[u][ng] >> (8 * col)) & 255u;
+      gc[col] = gptq::group_const<kBf16>(sb, zc);
+    }
+    if constexpr (kBits == 4) gptq::zero_consts4<kBf16>(qz_e ? gr.z[u][ng] >> (16 * (g & 1)) : kSymZero * 0x1111u, gc);
   };
 
-  auto compute = [&](const Stage& st, int stage, int c0) {
+  auto compute = [&](const Stage& st, const Groups& gr, int stage, int c0) {
+    float part[kFold ? MT : 1][kFold ? NG : 1][4][4];  // kFold: this stage's sums before scaling
     gptq::GroupConst gcs[NG][4];
     if constexpr (GM == 1) {  // once per stage: every chunk of the stage is in the same group
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng)
-#pragma unroll
-        for (int col = 0; col < 4; ++col) gcs[ng][col] = unpack(st, 0, ng, col);
+      for (int ng = 0; ng < NG; ++ng) unpack(gr, 0, ng, gcs[ng]);
     }
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
       const int c = c0 + u;
-      if (c >= c_end) break;
+      if (!kWhole && c >= c_end) break;
       const int k0 = c * 32;
       u32 a0[MT][4], a1[MT][4];
 #pragma unroll
@@ -228,8 +254,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         unsigned short s_bits[4][8];
         int z[4][8];
         if constexpr (GM == 0) {
-#pragma unroll
-          for (int col = 0; col < 4; ++col) gcs[ng][col] = unpack(st, u, ng, col);
+          unpack(gr, u, ng, gcs[ng]);
         } else if constexpr (kActOrder) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
@@ -264,18 +289,45 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
           } else if constexpr (kActOrder) {
             gptq::dequant8<kBf16, kBits>(q, s_bits[col], z[col], b);
           } else {
-            gptq::dequant8u<kBf16, kBits>(q, gcs[ng][col], b);
+            gptq::dequant8u<kBf16, kBits, !kFold>(q, gcs[ng][col], b);
           }
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             if constexpr (kProbe & 4) {
               acc[mt][ng][col][0] += __uint_as_float((b[0] ^ b[1] ^ b[2] ^ b[3] ^ a0[mt][0] ^ a1[mt][0]) & 0x3FFFFFFFu);
+            } else if constexpr (kFold) {
+              if (u == 0) {
+                gptq::mma16816_zero<kBf16>(part[mt][ng][col], a0[mt], b[0], b[1]);
+              } else {
+                gptq::mma16816<kBf16>(part[mt][ng][col], a0[mt], b[0], b[1]);
+              }
+              gptq::mma16816<kBf16>(part[mt][ng][col], a1[mt], b[2], b[3]);
             } else {
               gptq::mma16816<kBf16>(acc[mt][ng][col], a0[mt], b[0], b[1]);
               gptq::mma16816<kBf16>(acc[mt][ng][col], a1[mt], b[2], b[3]);
             }
           }
         }
+      }
+    }
+    if constexpr (kFold) {  // acc += part * scale; accumulator column r of tile col is real column 8t + col + 4(r & 1)
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        if (!n_ok[ng]) continue;
+        const u32 sw[4] = {gr.sa[ng].x, gr.sa[ng].y, gr.sa[ng].z, gr.sa[ng].w};
+        float sf[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const unsigned short sb = static_cast<unsigned short>(sw[i >> 1] >> (16 * (i & 1)));
+          sf[i] = gptq::half_bits_to_float(sb);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int col = 0; col < 4; ++col)
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+              acc[mt][ng][col][r] = fmaf(part[mt][ng][col][r], sf[col + 4 * (r & 1)], acc[mt][ng][col][r]);
       }
     }
   };
@@ -291,19 +343,37 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       const int p = __ldg(sorted + slot);
       const bool valid = p >= 0 && p < num_pairs;  // padding rows hold the sentinel P
       pair_of[mt][h] = valid ? p : -1;
-      a_row[mt][h] = valid ? a + static_cast<long long>(p / top_k) * K + 8 * t : nullptr;
+      a_row[mt][h] = a + static_cast<long long>(valid ? p / top_k : 0) * K + 32 * c_begin + 8 * t;
     }
-  Stage cur, nxt;
-  load(cur, c_begin);
+  // Activations are loaded at the top of their own stage (mostly L1 hits: the CTA's warps share them), scales and
+  // zeros one stage ahead (first reads from HBM).
+  Stage cur;
+  Groups gcur = {}, gnxt = {};
+  // GM 1: stages left in the group of sc_grp (slices start on stage boundaries)
+  const int stages_per_group = GM == 1 ? group_len / (32 * KU) : 1;
+  int grp_left = stages_per_group;
+  if constexpr (GM == 1) {
+    const int grp = c_begin * 32 / group_len;
+    grp_left -= (c_begin * 32 - grp * group_len) / (32 * KU);
+    sc_grp += static_cast<long long>(grp) * N;
+    if (qz_e) qz_grp += static_cast<long long>(grp) * zwords;
+  }
+  load_groups(gcur, c_begin);
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
     __syncwarp();  // every lane is done reading the slot refilled next
     issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-filled
-    if (c0 + KU < c_end) load(nxt, c0 + KU);
+    load(cur, c0);
+    if (GM == 1 && --grp_left == 0) {
+      grp_left = stages_per_group;
+      sc_grp += N;
+      if (qz_e) qz_grp += zwords;
+    }
+    if (c0 + KU < c_end) load_groups(gnxt, c0 + KU);
     gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
     __syncwarp();  // ... including the pieces other lanes copied
-    compute(cur, stage, c0);
-    cur = nxt;
+    compute(cur, gcur, stage, c0);
+    gcur = gnxt;
     stage = (stage + 1) % NST;
   }
   gptq::cp_async_wait<0>();

@@ -31,10 +31,11 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.expected_experts(1, 256, 8) == pytest.approx(8)
     assert configs.expected_experts(4096, 8, 2) == 8
     # 4 CTAs per SM only for the 16-row instance compiled for it (4-bit, one group per 128-k stage)
-    assert configs._ctas_per_sm(configs.DECODE, 4, 128, False) == 4
-    assert configs._ctas_per_sm(configs.DECODE, 4, 32, False) == 3      # group mode 0
-    assert configs._ctas_per_sm(configs.DECODE, 8, 128, False) == 3
-    assert configs._ctas_per_sm(configs.DECODE, 4, 128, True) == 3      # act-order
+    assert configs._ctas_per_sm(configs.DECODE, 4, 128, False, 4096) == 4
+    assert configs._ctas_per_sm(configs.DECODE, 4, 32, False, 4096) == 3      # group mode 0
+    assert configs._ctas_per_sm(configs.DECODE, 4, 128, False, 4160) == 3    # a last stage not whole: mode 0
+    assert configs._ctas_per_sm(configs.DECODE, 8, 128, False, 4096) == 3
+    assert configs._ctas_per_sm(configs.DECODE, 4, 128, True, 4096) == 3      # act-order
     # a tuned (block_m, split_k) is used as stored
     configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 7}})
     tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
