@@ -245,6 +245,7 @@ def main(argv=None):
     ap.add_argument("--tiles", default=None,
                     help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
                          "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
+    ap.add_argument("--rows-16-max", type=int, default=None, help="tuning: override configs.ROWS_16_MAX")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
     ap.add_argument("--resident", default=None,
                     help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
@@ -260,6 +261,9 @@ def main(argv=None):
             key, val = (int(v) for v in item.split("="))
             configs.RESIDENT_PER_SM[key] = val
         print(f"# RESIDENT_PER_SM = {configs.RESIDENT_PER_SM}")
+    if args.rows_16_max is not None:
+        configs.ROWS_16_MAX = args.rows_16_max
+        print(f"# ROWS_16_MAX = {args.rows_16_max}")
     if args.rows_64_max is not None:
         configs.ROWS_64_MAX = args.rows_64_max
         print(f"# ROWS_64_MAX = {args.rows_64_max}")

@@ -197,8 +197,8 @@ SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
 _PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
-# heuristic block_m: rows per touched expert <= 10 -> 16, <= 24 -> 32, <= 96 -> 64, else 128
-ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 10, 24, 96
+# heuristic block_m: rows per touched expert <= 20 -> 16, <= 24 -> 32, <= 96 -> 64, else 128
+ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 20, 24, 96
 
 
 def hopper_enabled(arch: str) -> bool:

@@ -17,7 +17,8 @@ def fake_gpu(tmp_path, monkeypatch):
 
 def test_heuristic_block_sizes_follow_rows_per_expert():
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_m == 16
-    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).block_m == 32       # 16 rows per expert
+    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).block_m == 16       # 16 rows per expert
+    assert configs.choose_config(88, 8, 2, 4096, 28672, 4, 128).block_m == 32       # 22 rows per expert
     assert configs.choose_config(320, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 80 rows per expert
     assert configs.choose_config(400, 8, 2, 4096, 28672, 4, 128).block_m == 128     # 100 rows per expert
     assert configs.choose_config(4096, 8, 2, 4096, 28672, 4, 128).block_m == 128    # 1024 rows per expert
@@ -43,10 +44,10 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
 
 
 def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
-    # Mixtral-8x7B gate/up M = 64: 16 rows per expert -> 32-row blocks; on sm_90a the ws kernel, 256 columns
-    ws = configs.choose_config(64, 8, 2, 4096, 28672, 4, 128, hopper=True)
+    # Mixtral-8x7B gate/up M = 88: 22 rows per expert -> 32-row blocks; on sm_90a the ws kernel, 256 columns
+    ws = configs.choose_config(88, 8, 2, 4096, 28672, 4, 128, hopper=True)
     assert (ws.kind, ws.block_m, ws.block_n) == ("ws", 32, 256)
-    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128, hopper=False).kind == "reg"
+    assert configs.choose_config(88, 8, 2, 4096, 28672, 4, 128, hopper=False).kind == "reg"
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128, hopper=True).kind == "reg"  # 16-row blocks stay
     # DeepSeek-V2-Lite down M = 256: 64 blocks x 8 tiles of 256 columns, 44 steps; 2 CTAs per SM (264 slots):
     # one slice (2 waves of 46) beats 2 (4 x 24) and 3 (6 x 17)
