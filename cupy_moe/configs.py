@@ -4,11 +4,15 @@ Three kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gem
 docs/performance.md):
 
 - `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
-  (128 k) per pipeline stage, a warp-private cp.async weight ring (`stages - 1` stages in flight; activations,
-  scales and zeros in registers one stage ahead); each lane dequantizes its own B fragments in registers. Scale/zero
-  are unpacked once per stage when a stage lies in one group (G % 128 == 0: group mode 1), else once per 32-k chunk
-  (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched. The 4-bit mode-1
-  instance is compiled for 4 CTAs per SM (128 registers, GemmConfig.min_ctas), the others fit 3. (Measured
+  (128 k) per pipeline stage, a warp-private cp.async weight ring (`stages - 1` stages in flight; scales and zeros in
+  registers one stage ahead, activations loaded at the top of their own stage); each lane dequantizes its own B
+  fragments in registers. When a stage lies in one group and every stage is whole (G and K multiples of 128: group
+  mode 1) scale/zero are unpacked once per stage, the weights are dequantized to q - z exactly and the scale is
+  applied to the stage's fp32 sums (one FFMA per accumulator per stage instead of one HMUL2 per weight pair); else
+  once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
+  Without act-order the instance is compiled for 4 CTAs per SM (at most 128 registers, GemmConfig.min_ctas); the
+  others fit 3. H200, 2026-12-03 20:00 UTC (benchmarks/ab_kernels.sh, 48 decode rows): the group-mode-1 loop at
+  375 SASS instructions per stage instead of 630 took 0.77-0.87 of the time on every 16-row row. (Measured
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
@@ -40,10 +44,11 @@ docs/performance.md):
   and 128 rows to the tc kernel, the better of two shapes each by 3-27% (DeepSeek-V3 gate/up M = 1024 3236
   against 2885 us).
 
-Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 10 -> 16, r <= 24 -> 32 (`moe_gemm` with
-two m16 tiles: an expert with 17-32 rows reads and dequantizes its weights once instead of twice; H200, 2026-12-03,
-against block 16: DeepSeek-V2-Lite M = 256 gate/up 209 -> 163 us, down 113 -> 92 us, Mixtral-8x22B down M = 64
-376 -> 319 us, the other five rows that switch within 2%; but Qwen1.5-MoE-A2.7B M = 256, 17 rows: down 83 -> 96 us),
+Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 20 -> 16 (H200, 2026-12-03 20:03 UTC,
+after the decode kernel lost 40% of its instructions: two 16-row blocks per expert beat one 32-row ws block on 9 of
+11 rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256
+220 against 262 us; DeepSeek-V2-Lite gate/up M = 256, 24 rows, 140 against 133 us), r <= 24 -> 32 (`moe_gemm_ws` on
+sm_90a, else `moe_gemm` with two m16 tiles: an expert's weights are read and dequantized once instead of twice),
 r <= 96 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
 gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against 8496 us in the
 benchmark; at 256 rows by 10-11%; the rows with 32 and 64 rows per expert do not move).
@@ -89,9 +94,11 @@ MODEL_SHAPES = {
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m without a launch bound (shared memory / registers of the default shapes,
 # ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256
-# (about 190 registers): 1. GemmConfig.min_ctas raises the 16 x 128 shape's to BOUNDED_CTAS_PER_SM where it fits.
+# (about 190 registers): 1. GemmConfig.min_ctas raises the decode shapes' to their launch bounds.
 RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
-BOUNDED_CTAS_PER_SM = 4  # moe_gemm 16 x 128 at 4 bits, group mode 1: 128 registers, no spills
+# moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng): 16 x 128 at most 128 registers,
+# 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
+LAUNCH_BOUNDS = {(1, 1, 4, 1): 4, (2, 1, 4, 1): 3}
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
 
@@ -136,11 +143,13 @@ class GemmConfig:
         return 1 if group_len is not None and group_len % stage == 0 and (k is None or k % stage == 0) else 0
 
     def min_ctas(self, bits: int, group_mode: int) -> int:
-        """moe_gemm's launch bound: CTAs per SM the compiler must fit in registers (1: none). Only the 16 x 128 shape
-        at 4 bits with one group per stage fits BOUNDED_CTAS_PER_SM without spills; other instances would spill."""
-        fits = (self.kind == "reg" and (self.mt, self.warps_m, self.warps_n, self.ng) == (1, 1, 4, 1) and bits == 4
-                and group_mode == 1)
-        return BOUNDED_CTAS_PER_SM if fits else 1
+        """moe_gemm's launch bound: CTAs per SM the compiler must fit in registers (1: none), LAUNCH_BOUNDS of the
+        warp layout; at most 3 with act-order (the 16 x 128 shape bounded to 4 measured slower there), 1 for the
+        other layouts, which would spill."""
+        if self.kind != "reg":
+            return 1
+        bound = LAUNCH_BOUNDS.get((self.mt, self.warps_m, self.warps_n, self.ng), 1)
+        return min(bound, 3) if group_mode == 2 else bound
 
     def ctas_per_sm(self, bits: int, group_mode: int) -> int:
         """CTAs resident per SM, for the split-K estimate."""

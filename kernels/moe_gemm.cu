@@ -34,15 +34,16 @@ using gptq::u32;
 #endif
 constexpr int kProbe = CUPY_MOE_PROBE;
 
-// GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage (the
-// launcher guarantees G % (32*KU) == 0 and stage-aligned split-K slices), so scale/zero are loaded and unpacked once
-// per stage; 2 = act-order (g_idx: every k has its own group).
+// GM (group mode): 0 = scale/zero per 32-k chunk (any G multiple of 32); 1 = one group per pipeline stage and every
+// stage whole (the launcher guarantees G % (32*KU) == 0, K % (32*KU) == 0 and stage-aligned split-K slices), so
+// scale/zero are loaded and unpacked once per stage and the scale is applied to the stage's fp32 sums; 2 = act-order
+// (g_idx: every k has its own group).
 // MINB: CTAs per SM the compiler must fit in registers (1: no bound), chosen by configs.GemmConfig.min_ctas: 4 for the
-// 16 x 128 decode shape at 4 bits with one group per stage (128 registers, no spills; 146 without the bound, which
-// fits 3). H200, 2026-12-03 18:23 UTC, same splits: 4 CTAs (16 warps) per SM took 0.89-0.97 of the 3-CTA time on 12
-// of 32 decode rows and 0.97-1.01 on 19 (Mixtral-8x7B gate/up M = 1 67.7 against 73.2 us); the kernel is
-// latency-bound, about one eligible warp per scheduler at 3 CTAs (Nsight Compute). The split estimate counts the
-// fourth CTA, which the one slower row needed. Other instances would spill under the bound.
+// 16 x 128 decode shape in group modes 0 and 1 (nvcc 13.0, sm_90a: 120-128 registers, no spills), 3 for it with
+// act-order and for the 32 x 128 shape (at most 168 registers). The kernel is latency-bound (Nsight Compute at 3
+// CTAs: about one eligible warp per scheduler). H200, 2026-12-03 18:23 UTC, same splits, 4-bit mode 1: 4 CTAs per SM
+// took 0.89-0.97 of the 3-CTA time on 12 of 32 decode rows and 0.97-1.01 on 19; 20:19 UTC (split estimate
+// included): 4-bit G = 32 0.83-0.91 on 7 of 8 rows, 8-bit 0.84-1.06 (geometric mean 0.98), act-order 0.96-1.18.
 template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM, int MINB>
 __global__ void __launch_bounds__(WM * WN * 32, MINB)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]

@@ -31,12 +31,16 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.expected_experts(4, 8, 2) == pytest.approx(8 * (1 - 0.75**4))
     assert configs.expected_experts(1, 256, 8) == pytest.approx(8)
     assert configs.expected_experts(4096, 8, 2) == 8
-    # 4 CTAs per SM only for the 16-row instance compiled for it (4-bit, one group per 128-k stage)
+    # 4 CTAs per SM for the 16-row instances compiled for it (all but act-order)
     assert configs._ctas_per_sm(configs.DECODE, 4, 128, False, 4096) == 4
-    assert configs._ctas_per_sm(configs.DECODE, 4, 32, False, 4096) == 3      # group mode 0
-    assert configs._ctas_per_sm(configs.DECODE, 4, 128, False, 4160) == 3    # a last stage not whole: mode 0
-    assert configs._ctas_per_sm(configs.DECODE, 8, 128, False, 4096) == 3
+    assert configs._ctas_per_sm(configs.DECODE, 4, 32, False, 4096) == 4      # group mode 0
+    assert configs._ctas_per_sm(configs.DECODE, 8, 128, False, 4096) == 4
     assert configs._ctas_per_sm(configs.DECODE, 4, 128, True, 4096) == 3      # act-order
+    assert configs._ctas_per_sm(configs.DECODE_32, 4, 128, False, 4096) == 3
+    # group mode 1 needs whole stages: G and K multiples of 32 * ku
+    assert configs.DECODE.group_mode(False, 128, 4096) == 1
+    assert configs.DECODE.group_mode(False, 128, 4160) == 0
+    assert configs.DECODE.group_mode(False, 64, 4096) == 0
     # a tuned (block_m, split_k) is used as stored
     configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 7}})
     tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
@@ -63,10 +67,10 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
 def test_split_k_weighs_waves_against_short_slices():
     # Mixtral-8x7B M = 1 (2 experts) on 528 decode slots (4 CTAs per SM): gate/up 448 CTAs of 32 stages fit one
     # wave (estimate 34; 2 slices 2 waves of 16 stages, 36); down about 1.9 experts x 32 tiles = 60 CTAs of 112
-    # stages: 8 slices (one wave); at 8 bits (3 CTAs per SM, 396 slots) 8 slices would take two waves, so 6
+    # stages: 8 slices (one wave); with act-order (3 CTAs per SM, 396 slots) 8 slices would take two waves, so 6
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).split_k == 1
     assert configs.choose_config(2, 8, 1, 14336, 4096, 4, 128).split_k == 8
-    assert configs.choose_config(2, 8, 1, 14336, 4096, 8, 128).split_k == 6
+    assert configs.choose_config(2, 8, 1, 14336, 4096, 4, 128, act_order=True).split_k == 6
     # the 128 x 256 prefill tile (one CTA per SM): 256 CTAs of 448 steps are two full waves, no split
     assert configs.choose_config(1024, 8, 2, 14336, 4096, 4, 128).split_k == 1
     # slices keep at least 2 stages: K = 768 (6 stages of 128 k) splits at most 3 ways
@@ -135,7 +139,8 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     plain = configs.kernel_instance(dec, True, 8, False, 128)
     assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == plain and plain[2] == 0
     name = configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, False, 128)
-    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 4, 2, 1, 1>"
+    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 4, 2, 1, 4>"  # group mode 1, bound to 4 CTAs per SM
+    assert configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, True, 128).endswith(", 2, 3>")  # act-order
     # the 4-bit, one-group-per-stage instance carries the launch bound of 4 CTAs per SM
     assert dec.name_expression(False, 4, False, 128).endswith(", 1, 4>")
     # act-order at a tc block size falls back to moe_gemm (group mode 2), which has no wgmma variant
