@@ -12,7 +12,7 @@ docs/performance.md):
   once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
   Without act-order the instance is compiled for 4 CTAs per SM (at most 128 registers, GemmConfig.min_ctas); the
   others fit 3. H200, 2026-12-03 20:00 UTC (benchmarks/ab_kernels.sh, 48 decode rows): the group-mode-1 loop at
-  375 SASS instructions per stage instead of 630 took 0.77-0.87 of the time on every 16-row row. (Measured
+  375 SASS instructions per stage instead of 630 took 0.77-0.94 of the time on all 44 16-row rows. (Measured
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024

@@ -102,22 +102,11 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
   }
 }
 
-// d = a * b (the accumulator input is zero).
+// d = a * b: the accumulator starts from zero (ptxas reads RZ for it, no register zeroing).
 template <bool kBf16>
 __device__ __forceinline__ void mma16816_zero(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-  if constexpr (kBf16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.f));
-  }
+  d[0] = d[1] = d[2] = d[3] = 0.f;
+  mma16816<kBf16>(d, a, b0, b1);
 }
 
 // ---- dequantization ---------------------------------------------------------------------------------------------
