@@ -240,7 +240,8 @@ __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const Group
   } else if constexpr (kBits == 4 && !kScale) {
     // bf16 128 + q is exact (7 mantissa bits), and one fma by 1 with -(128 + z) (zlo) gives q - z exactly
 #pragma unroll
-    for (int i = 0; i < 4; ++i) out[i] = bf16_fma2(and_or(q[0] >> (4 * i), 0x000F000Fu, 0x43004300u), 0x3F803F80u, c.zlo);
+    for (int i = 0; i < 4; ++i)
+      out[i] = bf16_fma2(and_or(q[0] >> (4 * i), 0x000F000Fu, 0x43004300u), 0x3F803F80u, c.zlo);
   } else {
     float v[8];
 #pragma unroll

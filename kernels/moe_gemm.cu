@@ -156,14 +156,16 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
 #pragma unroll
         for (int r = 0; r < WPR; ++r)
-          if (ok) gptq::cp_async16(ring_cp + 16 * static_cast<unsigned>(ring_base(stage, u, ng, r) - ring), w_src + r * N + 32 * ng, true);
+          if (ok)
+            gptq::cp_async16(ring_cp + 16 * static_cast<unsigned>(ring_base(stage, u, ng, r) - ring),
+                             w_src + r * N + 32 * ng, true);
       }
       w_src += chunk_words;
     }
     gptq::cp_async_commit();
   };
 
-  // Activations, scales and zeros: registers, one stage ahead.
+  // Activations: registers, loaded at the top of their own stage; scales and zeros: registers, one stage ahead.
   struct Stage {
     uint4 x[KU][MT][2];
   };
@@ -333,7 +335,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // Pipeline: NST-1 weight stages in flight ahead of the one computed; activations one stage ahead.
+  // Pipeline: NST-1 weight stages in flight ahead of the one computed; scales and zeros one stage ahead.
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) issue_weights(s, c_begin + s * KU);
 #pragma unroll
@@ -363,7 +365,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
     __syncwarp();  // every lane is done reading the slot refilled next
-    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: zero-filled
+    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: not copied (never computed)
     load(cur, c0);
     if (GM == 1 && --grp_left == 0) {
       grp_left = stages_per_group;
