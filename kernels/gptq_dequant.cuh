@@ -60,6 +60,19 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], unsigned smem_addr) {
                : "memory");
 }
 
+// The value, which the compiler then keeps in a register: without it, values derived from the thread index or the
+// shared-memory base are recomputed in the main loop (rematerialized) at a few instructions each time.
+__device__ __forceinline__ u32 kept(u32 x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// 16-byte shared-memory store at a 32-bit shared address (addresses computed with XOR, which a pointer cannot keep)
+__device__ __forceinline__ void st_shared16(unsigned addr, const uint4& v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }

@@ -20,8 +20,15 @@ constexpr bool kHaveWgmma = false;
 // 16 B / 16 (bits 16-29; unused when one k16 slice lies inside the 64-byte swizzle span), stride between 8-row
 // groups 512 B / 16 (bits 32-45), layout 2 = 64-byte swizzle (bits 62-63). Advancing the start by 32 bytes selects
 // the second k16 slice of a 64-byte row; the hardware applies the swizzle to the final address.
+// The descriptor is built from its low word (start field and leading-dimension offset); the high word is the same
+// for every tile. Tiles at byte offset o from a base have the base's low word + o / 16 (shared-memory addresses are
+// below 256 KiB, so the 14-bit start field does not overflow), one 32-bit add per tile in the main loop.
+__device__ __forceinline__ unsigned wg_desc_sw64_lo(unsigned smem_addr) { return ((smem_addr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ unsigned long long wg_desc_sw64_at(unsigned lo) {
+  return static_cast<unsigned long long>(lo) | (32ull << 32) | (2ull << 62);
+}
 __device__ __forceinline__ unsigned long long wg_desc_sw64(unsigned smem_addr) {
-  return static_cast<unsigned long long>((smem_addr & 0x3FFFFu) >> 4) | (1ull << 16) | (32ull << 32) | (2ull << 62);
+  return wg_desc_sw64_at(wg_desc_sw64_lo(smem_addr));
 }
 
 __device__ __forceinline__ void wg_fence() {

@@ -533,7 +533,9 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   static_assert(!kWg || (gptq::kHaveWgmma && MTL == 1), "wgmma: sm_90a only");
   extern __shared__ uint4 smem_dyn[];
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
-  if constexpr (kWg) smem += (L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1);
+  if constexpr (kWg) {
+    smem += gptq::kept((L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1));
+  }
 
   const int blk = blockIdx.x;
   const int padded = __ldg(post_padded);
@@ -553,9 +555,10 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int kSymZero = 1 << (kBits - 1);
 
   // ---- copy assignments, fixed per thread: a source pointer that advances by one 32-k chunk per issued step, and a
-  // shared-memory offset within a step. A source that must not be read (padding row, column past N, no zeros)
-  // zero-fills. Steps are issued in chunk order c_begin, c_begin + 1, ..., so nothing is recomputed per step: every
-  // warp issues its copies between barriers, and index arithmetic was once half of the main loop's instructions.
+  // shared-memory offset within a step. Padding rows are zero-filled (no L2 traffic: with 20-60 rows per expert a
+  // 64-row tile is largely padding); columns past N read column 0 (their sums are never stored). Steps are issued
+  // in chunk order c_begin, c_begin + 1, ..., so nothing is recomputed per step: every warp issues its copies between
+  // barriers, and index arithmetic was once half of the main loop's instructions.
   const int total_chunks = K / 32;
   const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
@@ -569,62 +572,69 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   static_assert((THREADS / 4) % 8 == 0, "the rows of one thread share a swizzle key");
   const unsigned short* a_src[A_PER];
   bool a_ok[A_PER];
-  const unsigned a_dst = (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);  // + i * (THREADS / 4) * 64
+  const unsigned a_dst = gptq::kept((tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4));  // + i*(THREADS/4)*64
 #pragma unroll
   for (int i = 0; i < A_PER; ++i) {
     const int p = __ldg(sorted + blk * BM + (tid >> 2) + i * (THREADS / 4));
     a_ok[i] = p >= 0 && p < num_pairs;
-    a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K + 8 * (tid & 3) : 0) + c_begin * 32;
+    a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K : 0) + 8 * (tid & 3) + c_begin * 32;
   }
   // qweight: kBits rows x BN/4 chunks of 16 bytes per step
   constexpr int Q_ROW = BN / 4, Q_PER = (kBits * Q_ROW + THREADS - 1) / THREADS;
   const long long q_step = static_cast<long long>(kBits) * N;  // qweight words per 32-k chunk
   const int* q_src[Q_PER];
-  bool q_ok[Q_PER];
 #pragma unroll
   for (int i = 0; i < Q_PER; ++i) {
     const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
-    q_ok[i] = idx < kBits * Q_ROW && n_base + 4 * q_chunk < N;
-    q_src[i] = qw_e + (q_ok[i] ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + c_begin * q_step;
+    const bool ok = idx < kBits * Q_ROW && n_base + 4 * q_chunk < N;
+    q_src[i] = qw_e + (ok ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + c_begin * q_step;
   }
-  // scales: BN/8 chunks (the last threads); zeros: BN*bits/128 chunks (the threads just below)
+  // the group's scales (BN/8 chunks, the last threads) and zero words (BN*bits/128 chunks, the threads just below,
+  // when there are zeros): one 16-byte copy per step for those threads, the source advancing by x_step bytes per group
   constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = L::kZ / 16;
-  const int s_chunk = tid - (THREADS - S_CHUNKS);
-  const bool s_do = s_chunk >= 0;
-  const bool s_ok = s_do && n_base + 8 * s_chunk < N;
-  const unsigned short* s_src = sc_e + static_cast<long long>(grp0) * N + (s_ok ? n_base + 8 * s_chunk : 0);
-  const int z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
-  const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
-  const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
-  const int z_step = zc_ok ? zwords : 0;
-  const int* z_src = zc_ok ? qz_e + static_cast<long long>(grp0) * zwords + n_base * kBits / 32 + 4 * z_thread : qw_e;
+  const int s_chunk = tid - (THREADS - S_CHUNKS), z_chunk = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
+  const bool x_do = gptq::kept(s_chunk >= 0 || (qz_e != nullptr && z_chunk >= 0));
+  const unsigned char* x_src;
+  unsigned x_dst;
+  long long x_step;
+  if (s_chunk >= 0) {
+    const int n = n_base + 8 * s_chunk < N ? n_base + 8 * s_chunk : 0;
+    x_src = reinterpret_cast<const unsigned char*>(sc_e + static_cast<long long>(grp0) * N + n);
+    x_dst = L::kA + L::kQ + s_chunk * 16;
+    x_step = 2ll * N;
+  } else {
+    const int w = qz_e != nullptr && n_base + z_chunk * 128 / kBits < N ? n_base * kBits / 32 + 4 * z_chunk : 0;
+    x_src = reinterpret_cast<const unsigned char*>(qz_e != nullptr ? qz_e + static_cast<long long>(grp0) * zwords + w
+                                                                   : qw_e);
+    x_dst = L::kA + L::kQ + L::kS + z_chunk * 16;
+    x_step = 4ll * zwords;
+  }
 
   // one 32-k step's copies into the step at shared address st; `in` false (the rest of a partial last step past the
-  // slice end): zeros from valid base addresses, no reads, so the step adds nothing. Called with a literal, so each
-  // call site compiles to straight copies.
+  // slice end): the A rows and the scales zero-filled without reading, the raw weights left as they are (any codes
+  // are finite), so the step adds nothing even in a slot never written before. Called with a literal, so each call
+  // site compiles to straight copies.
   auto copy_step = [&](unsigned st, bool in) {
 #pragma unroll
     for (int i = 0; i < A_PER; ++i) {
       gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);
       if (in) a_src[i] += 32;
     }
+    if (x_do) gptq::cp_async16(st + x_dst, in ? x_src : reinterpret_cast<const unsigned char*>(qweight), in);
+    if (!in) return;
 #pragma unroll
     for (int i = 0; i < Q_PER; ++i) {
       if ((i + 1) * THREADS <= kBits * Q_ROW || tid + i * THREADS < kBits * Q_ROW)  // else the thread has no chunk
-        if (!(kProbe & 1))
-          gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, in ? q_src[i] : qweight, in && q_ok[i]);
-      if (in) q_src[i] += q_step;
+        if (!(kProbe & 1)) gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, q_src[i], true);
+      q_src[i] += q_step;
     }
-    if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, in ? s_src : scales, in && s_ok);
-    if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, in ? z_src : qweight, in && zc_ok);
   };
   // one 32-k step (chunk c, the next in order)
   auto issue_step = [&](unsigned st, int c) {
-    if (c < c_end) {
+    if (KT == 1 || c < c_end) {  // with KT == 1 every issued step is inside the slice
       if (c >= grp_next) {
         grp_next += chunks_per_group;
-        s_src += N;
-        z_src += z_step;
+        x_src += x_step;
       }
       copy_step(st, true);
     } else {
@@ -639,19 +649,29 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
 
   // ---- dequantization assignment: column dn, k-runs of 8 (4 runs per 32-k step, RPT per thread)
   constexpr int RPT = 4 * BN / THREADS;
-  const int dn = tid % BN, dk = tid / BN;  // runs RPT*dk .. RPT*dk + RPT-1
-  const int b_row = dn * 64;
-  const int b_key = (dn >> 1) & 3;
+  const int dn = tid % BN, dk = BN == THREADS ? 0 : tid / BN;  // runs RPT*dk .. RPT*dk + RPT-1
   unsigned char* bs = smem + NS * L::kStage;  // B buffers
+  // run r of column dn goes to 16-byte chunk r ^ key of the column's 64-byte row: b_col (chunk key) XOR r * 16; the
+  // wgmma variant's B tiles are 1024-byte aligned, so there the XOR may follow the add of the tile address
+  const unsigned b_col = gptq::kept(dn * 64 + (((dn >> 1) & 3) << 4));
+  // The column's scale and zero (GroupConst) are read from the ring at the first step of each quantization group
+  // and kept in registers until the next: dq_left counts the chunks left in the current group.
+  gptq::GroupConst gc{};
+  int dq_left = 0, dq_first = (grp0 + 1) * chunks_per_group - c_begin;
 
-  auto dequant_step = [&](const unsigned char* st, unsigned char* bt) {
-    const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[dn];
-    int zc = kSymZero;
-    if (qz_e) {
-      const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[dn * kBits / 32];
-      zc = kBits == 4 ? (zw >> (4 * (dn & 7))) & 15u : (zw >> (8 * (dn & 3))) & 255u;
+  auto dequant_step = [&](const unsigned char* st, unsigned bt) {
+    if (dq_left == 0) {
+      const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[dn];
+      int zc = kSymZero;
+      if (qz_e) {
+        const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[dn * kBits / 32];
+        zc = kBits == 4 ? (zw >> (4 * (dn & 7))) & 15u : (zw >> (8 * (dn & 3))) & 255u;
+      }
+      gc = gptq::group_const<kBf16>(sb, zc);
+      dq_left = dq_first;
+      dq_first = chunks_per_group;
     }
-    const gptq::GroupConst gc = gptq::group_const<kBf16>(sb, zc);
+    --dq_left;
     const u32* qs = reinterpret_cast<const u32*>(st + L::kA);
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
@@ -660,12 +680,14 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int r = 0; r < kBits / 4; ++r) q[r] = qs[(run * (kBits / 4) + r) * BN + dn];
       const uint4 v = gptq::dequant8_natural<kBf16, kBits>(q, gc);
-      *reinterpret_cast<uint4*>(bt + b_row + ((run ^ b_key) << 4)) = v;
+      gptq::st_shared16(kWg ? (bt + b_col) ^ (run << 4) : bt + (b_col ^ (run << 4)), v);
     }
   };
+  const unsigned bs_base = gptq::smem_u32(bs);
   auto dequant = [&](int slot, int buf) {
 #pragma unroll
-    for (int s = 0; s < KT; ++s) dequant_step(smem + slot * L::kStage + s * L::kStep, bs + buf * L::kBuf + s * L::kB);
+    for (int s = 0; s < KT; ++s)
+      dequant_step(smem + slot * L::kStage + s * L::kStep, bs_base + buf * L::kBuf + s * L::kB);
   };
 
   float acc[MTL][NT][4];
@@ -682,7 +704,6 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int a_ld_hi = lq >> 1;                        // k 8..15 half of a k16 step
   const int b_ld_row = wn * WTN + (lq >> 1) * 8 + lr;  // + jp * 16
   const int b_ld_hi = lq & 1;
-  const unsigned bs_base = gptq::smem_u32(bs);
 
   auto mma_step = [&](int slot, int buf) {
 #pragma unroll
@@ -710,18 +731,22 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   // wgmma (sm_90a): the warpgroup's 64 x WTN block, both operands read by the tensor cores from the swizzled
   // shared-memory tiles (A rows 64*wg.. for BM 128; B columns WTN*wg.. for BM 64); issued asynchronously, so the
   // dequantization of the next step runs while it computes.
+  // The descriptors of slot 0 / buffer 0 are built once; a tile at byte offset o from them has start field + o / 16
+  // (smem addresses < 256 KiB: the 14-bit field does not overflow), so a step's descriptors are one add each.
   const int wg = warp >> 2;
   const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * WTN * 64;
+  const unsigned a_desc0 = gptq::kept(gptq::wg_desc_sw64_lo(smem_base + wg_a_off));
+  const unsigned b_desc0 = gptq::kept(gptq::wg_desc_sw64_lo(bs_base + wg_b_off));
   auto wg_issue = [&](int slot, int buf) {
     if constexpr (kWg) {
-      const unsigned a_addr = smem_base + slot * L::kStage + wg_a_off;
-      const unsigned b_addr = bs_base + buf * L::kBuf + wg_b_off;
       gptq::wg_fence_operands(acc[0]);
       gptq::wg_fence();
 #pragma unroll
       for (int kq = 0; kq < 2 * KT; ++kq) {  // step kq / 2, k16 half kq & 1
-        const unsigned ka = (kq >> 1) * L::kStep + 32 * (kq & 1), kb = (kq >> 1) * L::kB + 32 * (kq & 1);
-        gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64(a_addr + ka), gptq::wg_desc_sw64(b_addr + kb));
+        const unsigned ka = slot * L::kStage + (kq >> 1) * L::kStep + 32 * (kq & 1);
+        const unsigned kb = buf * L::kBuf + (kq >> 1) * L::kB + 32 * (kq & 1);
+        gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64_at(a_desc0 + (ka >> 4)),
+                                       gptq::wg_desc_sw64_at(b_desc0 + (kb >> 4)));
       }
       gptq::wg_commit();
     }
