@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gemm.py [--bar issue3|issue6] [--models Mixtral-8x7B,...] [--m 1,16,...] [--json FILE]
 
-Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activations:
+Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activations (--dtype bfloat16: bf16):
 - traffic floor: touched * (K*N/2 + (K/G)*N*2 + (K/G)*(N/8)*4) bytes of weights + activations read (rows*K*2)
   + outputs written (P*N*2), over the device-to-device copy bandwidth measured here (bytes read + written);
 - FLOP floor: 2*P*K*N over the cupy.matmul fp16 8192^3 rate measured here;
@@ -98,10 +98,10 @@ def phase_shape(model, phase, m):
     return k, n, top_k, rows, k * n // 2 + (k // G) * n * 2 + (k // G) * (n // 8) * 4
 
 
-def prepare_row(model, phase, m, rotations=8):
-    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2).
-    Returns a namespace with the shapes, the config, the inputs and `call(i)`, which runs our GEMM on input set
-    i % rotations."""
+def prepare_row(model, phase, m, rotations=8, dtype=np.float16):
+    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2), the
+    activations and outputs in `dtype` (np.float16 or ml_dtypes.bfloat16). Returns a namespace with the shapes,
+    the config, the inputs and `call(i)`, which runs our GEMM on input set i % rotations."""
     _, _, e, a_top = MODELS[model]
     k, n, top_k, rows, w_bytes_expert = phase_shape(model, phase, m)
     p = rows * top_k
@@ -116,9 +116,9 @@ def prepare_row(model, phase, m, rotations=8):
             ids_rows = ids.reshape(p, 1)  # one row per pair
         else:
             ids_rows = ids
-        x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
+        x = cp.asarray(rng.standard_normal((rows, k)).astype(dtype))
         s, eid, post = moe_align_block_size(cp.asarray(ids_rows), cfg.block_m, e)
-        out = cp.empty((p, n), cp.float16)
+        out = cp.empty((p, n), dtype)
         sets.append((x, s, eid, post, out, ids_rows, len(np.unique(ids))))
     cp.cuda.Device().synchronize()
 
@@ -130,8 +130,8 @@ def prepare_row(model, phase, m, rotations=8):
                            sets=sets, w_bytes_expert=w_bytes_expert, call=call)
 
 
-def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True):
-    r = prepare_row(model, phase, m, rotations)
+def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True, dtype=np.float16):
+    r = prepare_row(model, phase, m, rotations, dtype)
     k, n, p, sets, ours = r.k, r.n, r.p, r.sets, r.call
 
     # Our kernel is timed as replays of a CUDA graph holding one call per rotation (as a serving engine runs
@@ -251,7 +251,16 @@ def main(argv=None):
                     help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
                          "for the split-K estimate, e.g. '32=2'")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
+                    help="activations and outputs (bfloat16 needs ml_dtypes and --no-baseline: the baseline is fp16; "
+                         "the FLOP floor stays the fp16 matmul rate, which bf16 shares on Hopper)")
     args = ap.parse_args(argv)
+    if args.dtype == "bfloat16" and not args.no_baseline:
+        ap.error("--dtype bfloat16: expected --no-baseline as well (the dequantize + matmul baseline is fp16)")
+    dtype = np.float16
+    if args.dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
     if args.tiles:
         for cfg in parse_tiles(args.tiles):
             use_tile(cfg)
@@ -282,7 +291,8 @@ def main(argv=None):
     for model in args.models.split(","):
         for phase in args.phases.split(","):
             for m in (int(v) for v in args.m.split(",")):
-                row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters, baseline=not args.no_baseline)
+                row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters, baseline=not args.no_baseline,
+                                dtype=dtype)
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)
