@@ -652,7 +652,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int dn = tid % BN, dk = BN == THREADS ? 0 : tid / BN;  // runs RPT*dk .. RPT*dk + RPT-1
   unsigned char* bs = smem + NS * L::kStage;  // B buffers
   // run r of column dn goes to 16-byte chunk r ^ key of the column's 64-byte row: b_col (chunk key) XOR r * 16; the
-  // wgmma variant's B tiles are 1024-byte aligned, so there the XOR may follow the add of the tile address
+  // wgmma variant's B tiles are 512-byte aligned (TcSmem), so there the XOR may follow the add of the tile address
   const unsigned b_col = gptq::kept(dn * 64 + (((dn >> 1) & 3) << 4));
   // The column's scale and zero (GroupConst) are read from the ring at the first step of each quantization group
   // and kept in registers until the next: dq_left counts the chunks left in the current group.
