@@ -142,20 +142,20 @@ class GemmConfig:
         stage = 32 * self.ku
         return 1 if group_len is not None and group_len % stage == 0 and (k is None or k % stage == 0) else 0
 
-    def min_ctas(self, group_mode: int) -> int:
+    def min_ctas(self, act_order: bool) -> int:
         """moe_gemm's launch bound: CTAs per SM the compiler must fit in registers (1: none), LAUNCH_BOUNDS of the
-        warp layout (any bits); at most 3 with act-order (the 16 x 128 shape bounded to 4 measured slower there), 1
-        for the other layouts, which would spill."""
+        warp layout (any bits and group mode); at most 3 with act-order (the 16 x 128 shape bounded to 4 measured
+        slower there), 1 for the other layouts, which would spill."""
         if self.kind != "reg":
             return 1
         bound = LAUNCH_BOUNDS.get((self.mt, self.warps_m, self.warps_n, self.ng), 1)
-        return min(bound, 3) if group_mode == 2 else bound
+        return min(bound, 3) if act_order else bound
 
-    def ctas_per_sm(self, group_mode: int) -> int:
+    def ctas_per_sm(self, act_order: bool) -> int:
         """CTAs resident per SM, for the split-K estimate."""
         if self.kind == "ws":
             return WS_RESIDENT_PER_SM
-        return max(self.min_ctas(group_mode), RESIDENT_PER_SM.get(self.block_m, 1))
+        return max(self.min_ctas(act_order), RESIDENT_PER_SM.get(self.block_m, 1))
 
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
                         hopper: bool = False, k: int | None = None) -> str:
@@ -173,7 +173,7 @@ class GemmConfig:
                     f"{b(hopper)}>")
         gm = self.group_mode(act_order, group_len, k)
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{self.stages}, {gm}, {self.min_ctas(gm)}>")
+                f"{self.stages}, {gm}, {self.min_ctas(act_order)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
         """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
@@ -279,7 +279,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     ctas = math.ceil(blocks * n_tiles)
     chunks = max(1, k // 32)
     max_split = max_split_k(k, base.ku)
-    slots = _ctas_per_sm(base, k if group_size == -1 else group_size, act_order, k) * NUM_SMS
+    slots = base.ctas_per_sm(act_order) * NUM_SMS
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
@@ -299,11 +299,6 @@ def expected_experts(m: int, e: int, a: int) -> float:
 def max_split_k(k: int, ku: int) -> int:
     """The most K slices of a shape with `ku` 32-k chunks per stage: each keeps at least 2 stages, at most _MAX_SPLIT."""
     return max(1, min(_MAX_SPLIT, (k // 32) // (2 * ku)))
-
-
-def _ctas_per_sm(cfg: GemmConfig, group_len: int, act_order: bool, k: int) -> int:
-    """CTAs of the instance `cfg` launches resident per SM (GemmConfig.ctas_per_sm)."""
-    return cfg.ctas_per_sm(cfg.group_mode(act_order, group_len, k))
 
 
 def _blocks(touched: float, rows: float, block_m: int) -> float:

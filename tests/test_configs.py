@@ -32,11 +32,11 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.expected_experts(1, 256, 8) == pytest.approx(8)
     assert configs.expected_experts(4096, 8, 2) == 8
     # 4 CTAs per SM for the 16-row instances compiled for it (all but act-order)
-    assert configs._ctas_per_sm(configs.DECODE, 128, False, 4096) == 4
-    assert configs._ctas_per_sm(configs.DECODE, 32, False, 4096) == 4      # group mode 0
+    assert configs.DECODE.ctas_per_sm(act_order=False) == 4
+    assert configs.DECODE.name_expression(False, 4, False, 32).endswith(", 0, 4>")   # group mode 0: the same bound
     assert configs.DECODE.name_expression(False, 8, False, 128).endswith(", 1, 4>")  # 8-bit: the same bound
-    assert configs._ctas_per_sm(configs.DECODE, 128, True, 4096) == 3      # act-order
-    assert configs._ctas_per_sm(configs.DECODE_32, 128, False, 4096) == 3
+    assert configs.DECODE.ctas_per_sm(act_order=True) == 3
+    assert configs.DECODE_32.ctas_per_sm(act_order=False) == 3
     # group mode 1 needs whole stages: G and K multiples of 32 * ku
     assert configs.DECODE.group_mode(False, 128, 4096) == 1
     assert configs.DECODE.group_mode(False, 128, 4160) == 0
