@@ -23,7 +23,9 @@ constexpr bool kHaveWgmma = false;
 // The descriptor is built from its low word (start field and leading-dimension offset); the high word is the same
 // for every tile. Tiles at byte offset o from a base have the base's low word + o / 16 (shared-memory addresses are
 // below 256 KiB, so the 14-bit start field does not overflow), one 32-bit add per tile in the main loop.
-__device__ __forceinline__ unsigned wg_desc_sw64_lo(unsigned smem_addr) { return ((smem_addr & 0x3FFFFu) >> 4) | (1u << 16); }
+__device__ __forceinline__ unsigned wg_desc_sw64_lo(unsigned smem_addr) {
+  return ((smem_addr & 0x3FFFFu) >> 4) | (1u << 16);
+}
 __device__ __forceinline__ unsigned long long wg_desc_sw64_at(unsigned lo) {
   return static_cast<unsigned long long>(lo) | (32ull << 32) | (2ull << 62);
 }

@@ -735,8 +735,8 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   // (smem addresses < 256 KiB: the 14-bit field does not overflow), so a step's descriptors are one add each.
   const int wg = warp >> 2;
   const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * WTN * 64;
-  const unsigned a_desc0 = gptq::kept(gptq::wg_desc_sw64_lo(smem_base + wg_a_off));
-  const unsigned b_desc0 = gptq::kept(gptq::wg_desc_sw64_lo(bs_base + wg_b_off));
+  const unsigned a_desc0 = kWg ? gptq::kept(gptq::wg_desc_sw64_lo(smem_base + wg_a_off)) : 0u;
+  const unsigned b_desc0 = kWg ? gptq::kept(gptq::wg_desc_sw64_lo(bs_base + wg_b_off)) : 0u;
   auto wg_issue = [&](int slot, int buf) {
     if constexpr (kWg) {
       gptq::wg_fence_operands(acc[0]);
