@@ -49,9 +49,13 @@ after the decode kernel lost 40% of its instructions: two 16-row blocks per expe
 11 rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256
 220 against 262 us; DeepSeek-V2-Lite gate/up M = 256, 24 rows, 140 against 133 us), r <= 24 -> 32 (`moe_gemm_ws` on
 sm_90a, else `moe_gemm` with two m16 tiles: an expert's weights are read and dequantized once instead of twice),
-r <= 96 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
+r <= 64 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
 gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against 8496 us in the
-benchmark; at 256 rows by 10-11%; the rows with 32 and 64 rows per expert do not move).
+benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40 against 96: with 68 and 96 rows per expert
+the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182 against 217 us) and 0.53/0.82 (DeepSeek-V2-Lite,
+224 against 424 us) of the time: binomial routing puts many experts past 64 rows, and a second, mostly empty 64-row
+block dequantizes the expert's weights again. With exactly 64 rows (Qwen3-30B-A3B, Qwen3-235B-A22B) 64-row tiles
+stay ahead or even, 0.95-1.05; 128 x 128 tiles lost to 128 x 256 on all ten of these rows).
 Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
 phase passes M*A rows with A = 1); `min(E, M*A)` overestimated small batches (Mixtral M = 4: 8 against 5.5).
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
@@ -206,8 +210,8 @@ SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
 _PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
-# heuristic block_m: rows per touched expert <= 20 -> 16, <= 24 -> 32, <= 96 -> 64, else 128
-ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 20, 24, 96
+# heuristic block_m: rows per touched expert <= 20 -> 16, <= 24 -> 32, <= 64 -> 64, else 128
+ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 20, 24, 64
 
 
 def hopper_enabled(arch: str) -> bool:

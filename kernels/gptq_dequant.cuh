@@ -250,11 +250,14 @@ __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const Group
         out[i] = scaled(hsub2(codes, c.zlo));
       }
     }
-  } else if constexpr (kBits == 4 && !kScale) {
-    // bf16 128 + q is exact (7 mantissa bits), and one fma by 1 with -(128 + z) (zlo) gives q - z exactly
+  } else if constexpr (kBits == 4) {
+    // bf16 128 + q is exact (7 mantissa bits), and one fma by 1 with -(128 + z) (zlo) gives q - z exactly; with
+    // kScale each half is widened to fp32 (a shift or a mask), multiplied by the scale and rounded once, as below
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      out[i] = bf16_fma2(and_or(q[0] >> (4 * i), 0x000F000Fu, 0x43004300u), 0x3F803F80u, c.zlo);
+    for (int i = 0; i < 4; ++i) {
+      const u32 d = bf16_fma2(and_or(q[0] >> (4 * i), 0x000F000Fu, 0x43004300u), 0x3F803F80u, c.zlo);
+      out[i] = kScale ? pack2<true>(__uint_as_float(d << 16) * c.sf, __uint_as_float(d & 0xFFFF0000u) * c.sf) : d;
+    }
   } else {
     float v[8];
 #pragma unroll
