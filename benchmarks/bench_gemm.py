@@ -152,7 +152,7 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
     flops = 2.0 * p * k * n
     floor_t = traffic / copy_bw
     return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, block_n=r.cfg.block_n,
-                kind=r.cfg.kind,
+                kind=r.cfg.kind, warps_k=r.cfg.warps_k,
                 split_k=r.cfg.split_k,
                 time_us=t * 1e6, tbps=traffic / t / 1e12, tflops=flops / t / 1e12,
                 floor_ratio=floor_t / t, flop_ratio=flops / t / mm_rate, baseline_us=t_base * 1e6,
@@ -179,8 +179,9 @@ def baseline_time(r, iters):
 
 
 def parse_tiles(spec):
-    """'16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages
-    with kind reg (moe_gemm, the default), tc (moe_gemm_tc) or ws (moe_gemm_ws, sm_90a); block_m is checked."""
+    """'16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' -> [GemmConfig, ...]: block_m=[kind:]mt,warps_m,warps_n,ng,ku,stages[,warps_k]
+    with kind reg (moe_gemm, the default), tc (moe_gemm_tc) or ws (moe_gemm_ws, sm_90a); block_m is checked.
+    A reg shape with warps_k > 1 replaces configs.SPLIT_WARPS_SHAPES[block_m]."""
     out = []
     for item in filter(None, spec.split(";")):
         key, val = item.split("=")
@@ -188,7 +189,8 @@ def parse_tiles(spec):
         kind = kind or "reg"
         if kind not in ("reg", "tc", "ws"):
             raise ValueError(f"--tiles: {item!r}: kind {kind!r} is not one of ['reg', 'tc', 'ws']")
-        cfg = configs.GemmConfig(*(int(v) for v in val.split(",")), kind=kind)
+        ints = [int(v) for v in val.split(",")]
+        cfg = configs.GemmConfig(*ints[:6], kind=kind, warps_k=ints[6] if len(ints) > 6 else 1)
         if cfg.block_m != int(key):
             raise ValueError(f"--tiles: {item!r} has block_m {cfg.block_m}, not {key}")
         out.append(cfg)
@@ -197,13 +199,17 @@ def parse_tiles(spec):
 
 def tile_spec(cfg):
     kind = "" if cfg.kind == "reg" else f"{cfg.kind}:"
-    return f"{cfg.block_m}={kind}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}"
+    wk = f",{cfg.warps_k}" if cfg.warps_k > 1 else ""
+    return f"{cfg.block_m}={kind}{cfg.mt},{cfg.warps_m},{cfg.warps_n},{cfg.ng},{cfg.ku},{cfg.stages}{wk}"
 
 
 def use_tile(cfg):
     """Make `cfg` the kernel shape of its block_m (what choose_config and the launcher use)."""
     if cfg.kind == "ws":  # sm_90a only: the portable shape of the block size stays
         configs.HOPPER_SHAPES[cfg.block_m] = cfg
+        return
+    if cfg.warps_k > 1:
+        configs.SPLIT_WARPS_SHAPES[cfg.block_m] = cfg
         return
     configs.HOPPER_SHAPES.pop(cfg.block_m, None)
     configs.KERNEL_SHAPES[cfg.block_m] = cfg
@@ -244,9 +250,11 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--tiles", default=None,
                     help="tuning: override kernel shapes, e.g. '16=1,1,4,1,4,4;64=tc:2,2,4,2,1,4' "
-                         "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages; see benchmarks/sweep_tiles.py)")
+                         "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages[,warps_k]; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-16-max", type=int, default=None, help="tuning: override configs.ROWS_16_MAX")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
+    ap.add_argument("--warps-k-splits", default=None,
+                    help="tuning: override configs.WARPS_K_SPLITS, e.g. '3,4' ('' or 0: never the warps-along-K shape)")
     ap.add_argument("--resident", default=None,
                     help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
                          "for the split-K estimate, e.g. '32=2'")
@@ -273,6 +281,9 @@ def main(argv=None):
     if args.rows_16_max is not None:
         configs.ROWS_16_MAX = args.rows_16_max
         print(f"# ROWS_16_MAX = {args.rows_16_max}")
+    if args.warps_k_splits is not None:
+        configs.WARPS_K_SPLITS = tuple(int(v) for v in args.warps_k_splits.split(",") if v.strip())
+        print(f"# WARPS_K_SPLITS = {configs.WARPS_K_SPLITS}")
     if args.rows_64_max is not None:
         configs.ROWS_64_MAX = args.rows_64_max
         print(f"# ROWS_64_MAX = {args.rows_64_max}")
@@ -296,7 +307,8 @@ def main(argv=None):
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)
-                shape = f"{row['block_m']}{'s' if row['kind'] == 'ws' else ''}"  # s: the swapped-operand kernel
+                # s: the swapped-operand kernel; k: warps along K (configs.SPLIT_WARPS_SHAPES)
+                shape = f"{row['block_m']}{'s' if row['kind'] == 'ws' else 'k' if row['warps_k'] > 1 else ''}"
                 print(f"{model:18s} {phase:7s} {m:5d} {shape:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
                       f"{row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} {row['flop_ratio']:6.2f} "
                       f"{row['baseline_us']:9.1f} {row['baseline_ratio']:7.2f}  {'pass' if row['pass'] else 'FAIL'}",

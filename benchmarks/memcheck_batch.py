@@ -12,11 +12,14 @@ for i in range(6):
     t.run_case(rng, **case)
 # the prefill kernel with an odd number of 32-k chunks (its last 64-k stage half zero-filled), 32-row blocks with a
 # partial 256-column tile (on sm_90a the swapped-operand kernel) and split-K, and the 16-row decode instance compiled
-# for 4 CTAs per SM (4-bit, one group per stage) with a partial column tile
+# for 4 CTAs per SM (4-bit, one group per stage) with a partial column tile; the 16 x 32 shape with 4 warps along K,
+# whose last warp has no chunks (K = 768: 3 slices of 8 chunks), and with split-K across CTAs on top (K = 4096)
 common = dict(bits=4, sym=False, act_order=False, dtype_name="float16", routed=True, kind="uniform")
 t.run_case(rng, e=3, m=90, a=2, k=96, n=96, group_size=32, block_m=128, **common)
 t.run_case(rng, e=4, m=20, a=2, k=1120, n=160, group_size=32, block_m=32, **common)
 t.run_case(rng, e=4, m=3, a=2, k=512, n=160, group_size=128, block_m=16, **common)
+t.run_case(rng, e=4, m=1, a=2, k=768, n=96, group_size=128, block_m=16, **common)
+t.run_case(rng, e=1, m=1, a=1, k=4096, n=96, group_size=128, block_m=16, **common)
 import cupy as cp
 from cupy_moe.align import moe_align_block_size
 moe_align_block_size(cp.asarray(rng.integers(0, 64, size=(5000, 4)).astype(np.int32)), 16, 64)  # multi-CTA path

@@ -100,9 +100,9 @@ NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256
 # (about 190 registers): 1. GemmConfig.min_ctas raises the decode shapes' to their launch bounds.
 RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
-# moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng): 16 x 128 at most 128 registers,
-# 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
-LAUNCH_BOUNDS = {(1, 1, 4, 1): 4, (2, 1, 4, 1): 3}
+# moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng, warps_k): 16 x 128 and 16 x 32 x 4
+# at most 128 registers, 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
+LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
 
@@ -125,6 +125,7 @@ class GemmConfig:
     kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory),
     # "ws": moe_gemm_ws (sm_90a: weights as the wgmma M side in registers; warps_m 1, warps_n 8, ng m64 tiles per
     # warpgroup, so block_n = 128 * ng)
+    warps_k: int = 1  # moe_gemm: warps side by side along K, each on its own slice, summed in shared memory
 
     @property
     def block_m(self) -> int:
@@ -136,7 +137,7 @@ class GemmConfig:
 
     @property
     def threads(self) -> int:
-        return self.warps_m * self.warps_n * 32
+        return self.warps_m * self.warps_n * self.warps_k * 32
 
     def group_mode(self, act_order: bool, group_len: int | None, k: int | None = None) -> int:
         """moe_gemm's GM: 2 act-order; 1 one group per stage and every stage whole (group_len and K multiples of
@@ -152,7 +153,7 @@ class GemmConfig:
         slower there), 1 for the other layouts, which would spill."""
         if self.kind != "reg":
             return 1
-        bound = LAUNCH_BOUNDS.get((self.mt, self.warps_m, self.warps_n, self.ng), 1)
+        bound = LAUNCH_BOUNDS.get((self.mt, self.warps_m, self.warps_n, self.ng, self.warps_k), 1)
         return min(bound, 3) if act_order else bound
 
     def ctas_per_sm(self, act_order: bool) -> int:
@@ -176,8 +177,8 @@ class GemmConfig:
             return (f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {self.ku}, "
                     f"{b(hopper)}>")
         gm = self.group_mode(act_order, group_len, k)
-        return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.ng}, {self.ku}, "
-                f"{self.stages}, {gm}, {self.min_ctas(act_order)}>")
+        return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.warps_k}, {self.ng}, "
+                f"{self.ku}, {self.stages}, {gm}, {self.min_ctas(act_order)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
         """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
@@ -206,6 +207,17 @@ KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
+# The 16-row decode shape with its K slices as the warps of one CTA (16 x 32, 4 warps along K, summed in shared
+# memory) where the split estimate cuts K in WARPS_K_SPLITS slices: 4 warp slices in one CTA instead of 3-4 CTAs
+# whose partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04 10:27 UTC (same-run
+# A/B, 67 decode rows of M = 1-64, benchmarks/bench_gemm.py --warps-k-splits): splits of 3 and 4 took 0.84-1.02 of
+# the time (geometric mean 0.92, 19 rows; Qwen1.5-MoE-A2.7B down M = 1 6.4 against 7.6 us, Mixtral-8x7B down M = 4
+# 78.6 against 88.6 us); larger splits, kept as round(split / 4) CTAs of 4 warps, lost or tied (split 5: 4 slices,
+# Mixtral-8x22B down M = 1 48.6 against 45.3 us; 6: 2 x 4 slices in 1.3 waves, Qwen1.5-MoE-A2.7B gate/up M = 1 12.8
+# against 10.8 us; 8: 28.9 against 28.6 us), so they keep the 16 x 128 shape.
+DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
+SPLIT_WARPS_SHAPES = {16: DECODE_WK}
+WARPS_K_SPLITS = (3, 4)
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side, see the docstring)
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
@@ -241,7 +253,7 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
     for hopper in ((False, True) if arch == "sm_90a" else (False,)):
         for bf16 in (False, True):
             for bits in (4, 8):
-                for cfg in (*KERNEL_SHAPES.values(), *HOPPER_SHAPES.values()):
+                for cfg in (*KERNEL_SHAPES.values(), *HOPPER_SHAPES.values(), *SPLIT_WARPS_SHAPES.values()):
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
                         names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
     return list(dict.fromkeys(names))
@@ -272,7 +284,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
 
     tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
     if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
-        return replace(shape(tuned["block_m"]), split_k=tuned["split_k"])
+        return _split_warps(replace(shape(tuned["block_m"]), split_k=tuned["split_k"]))
     if block_m is None:
         block_m = (16 if rows <= ROWS_16_MAX else 32 if rows <= ROWS_32_MAX else 64 if rows <= ROWS_64_MAX else 128)
     elif block_m not in KERNEL_SHAPES:
@@ -287,7 +299,16 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
-    return replace(base, split_k=split)
+    return _split_warps(replace(base, split_k=split))
+
+
+def _split_warps(cfg: GemmConfig) -> GemmConfig:
+    """SPLIT_WARPS_SHAPES[block_m] in place of a shape split a number of ways in WARPS_K_SPLITS (see there), with
+    round(split / warps_k) (at least 1) slices across CTAs."""
+    alt = SPLIT_WARPS_SHAPES.get(cfg.block_m)
+    if alt is None or cfg.kind != "reg" or cfg.split_k not in WARPS_K_SPLITS:
+        return cfg
+    return replace(alt, split_k=max(1, round(cfg.split_k / alt.warps_k)))
 
 
 def _device_hopper() -> bool:

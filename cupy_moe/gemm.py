@@ -165,10 +165,10 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k)
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
-    split = cfg.split_k
-    cps = -(-chunks // split)
+    wk = cfg.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all
+    cps = -(-chunks // (cfg.split_k * wk))
     cps = -(-cps // cfg.ku) * cfg.ku  # slices start on a stage boundary (group mode 1 relies on it)
-    split = -(-chunks // cps)  # no empty slices
+    split = -(-chunks // (cps * wk))  # no CTA without work (its last warps' slices may be empty)
     if split > 1:
         partials, tickets = _workspace(cp, split * capacity * n, blocks.size * n_tiles)
     else:

@@ -44,8 +44,13 @@ constexpr int kProbe = CUPY_MOE_PROBE;
 // CTAs: about one eligible warp per scheduler). H200, 2026-12-03 18:23 UTC, same splits, 4-bit mode 1: 4 CTAs per SM
 // took 0.89-0.97 of the 3-CTA time on 12 of 32 decode rows and 0.97-1.01 on 19; 20:19 UTC (split estimate
 // included): 4-bit G = 32 0.83-0.91 on 7 of 8 rows, 8-bit 0.84-1.06 (geometric mean 0.98), act-order 0.96-1.18.
-template <bool kBf16, int kBits, int MT, int WM, int WN, int NG, int KU, int STAGES, int GM, int MINB>
-__global__ void __launch_bounds__(WM * WN * 32, MINB)
+// WK: warps side by side along K. A CTA's K slice is cut into WK warp slices that run at once; warp wk > 0 hands its
+// sums to warp 0 of its (wm, wn) through shared memory, which adds them in the fixed order 1 .. WK-1 (bitwise
+// deterministic). It is split-K without the workspace round trip: the 16 x 32 shape with WK = 4 covers 4 slices of
+// 32 columns in one CTA, where the 16 x 128 shape needs 4 CTAs, their partials in global memory, a fence, a ticket and
+// the last CTA's reads (configs.choose_config says when).
+template <bool kBf16, int kBits, int MT, int WM, int WN, int WK, int NG, int KU, int STAGES, int GM, int MINB>
+__global__ void __launch_bounds__(WM * WN * WK * 32, MINB)
 moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          const int* __restrict__ qweight,             // [E, K*bits/32, N]
          const unsigned short* __restrict__ scales,   // [E, groups, N] fp16 bits
@@ -78,7 +83,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   if (blk * BLOCK_M >= padded || expert < 0) return;  // past the padded total, or a padding block
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp / WN, wn = warp % WN;
+  const int wmn = warp % (WM * WN), wk = warp / (WM * WN);
+  const int wm = wmn / WN, wn = wmn % WN;
   const int g = lane >> 2, t = lane & 3;
 
   // rows of this lane: (mt, h) -> block row (wm*MT + mt)*16 + g + 8h; filled after the first weight copies, then
@@ -114,13 +120,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         for (int r = 0; r < 4; ++r) acc[mt][ng][j][r] = 0.f;
 
   const int total_chunks = K / 32;
-  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  // chunks_per_split: of one warp slice; slice blockIdx.z * WK + wk (empty past the end)
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z * WK + wk) * chunks_per_split);
   const int c_end = min(total_chunks, c_begin + chunks_per_split);
 
   // One stage = KU chunks of 32 k: activations, weight words, and (without act-order) scales and zeros.
   // Weights: a ring of stages in shared memory, so that many stages stay in flight at no register cost. Each warp
   // fills and reads its own 512-byte slots (layout [stage][word][warp's 32 pieces]), so no CTA barrier is needed.
-  constexpr int THREADS = WM * WN * 32;
+  constexpr int THREADS = WM * WN * WK * 32;
   constexpr int WORDS = KU * NG * WPR;
   // ring depth under the 48 KiB static shared-memory limit: 8-bit stages hold twice the bytes, so half as many (at
   // least 2, so loads overlap compute) keep the bytes in flight.
@@ -361,7 +368,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     sc_grp += static_cast<long long>(grp) * N;
     if (qz_e) qz_grp += static_cast<long long>(grp) * zwords;
   }
-  load_groups(gcur, c_begin);
+  if (c_begin < c_end) load_groups(gcur, c_begin);  // (an empty warp slice would read past the scales)
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
     __syncwarp();  // every lane is done reading the slot refilled next
@@ -380,6 +387,28 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     stage = (stage + 1) % NST;
   }
   gptq::cp_async_wait<0>();
+
+  // ---- WK > 1: the warp slices' sums meet in warp wk = 0 (the ring is free once every warp is past its loop)
+  const bool owner = wk == 0;  // the warp that stores
+  if constexpr (WK > 1) {
+    constexpr int kAcc = MT * NG * 16;
+    static_assert((WK - 1) * WM * WN * 32 * kAcc * 4 <= sizeof(ring), "the reduction reuses the ring");
+    float* red = reinterpret_cast<float*>(ring) + lane;  // [WK-1][WM*WN][kAcc][32 lanes]: conflict-free
+    __syncthreads();
+    if (!owner) {
+      float* dst = red + ((wk - 1) * WM * WN + wmn) * kAcc * 32;
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) dst[32 * i] = (&acc[0][0][0][0])[i];
+    }
+    __syncthreads();
+    if (owner) {
+      for (int w = 1; w < WK; ++w) {  // fixed order
+        const float* src = red + ((w - 1) * WM * WN + wmn) * kAcc * 32;
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) (&acc[0][0][0][0])[i] += src[32 * i];
+      }
+    }
+  }
 
   // ---- epilogue: lane holds rows g, g+8 of each m tile x real columns n0 + 8t .. n0 + 8t + 7
   auto row_values = [&](int mt, int h, int ng, float (&v)[8]) {
@@ -400,6 +429,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   };
 
   if (split_k == 1) {
+    if (!owner) return;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -422,7 +452,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (pair_of[mt][h] < 0) continue;
+      if (pair_of[mt][h] < 0 || !owner) continue;
       const int slot = blk * BLOCK_M + (wm * MT + mt) * 16 + g + 8 * h;
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
@@ -443,6 +473,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   __syncthreads();
   if (!last) return;
   __threadfence();
+  if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (and graph replay); thread 0 is an owner
+  if (!owner) return;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -464,7 +496,6 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         store(p, n0[ng] + 8 * t, v);
       }
     }
-  if (threadIdx.x == 0) *ticket = 0;  // ready for the next launch (and graph replay)
 }
 
 __device__ __forceinline__ void require_dyn_smem(int bytes) {

@@ -41,10 +41,13 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.DECODE.group_mode(False, 128, 4096) == 1
     assert configs.DECODE.group_mode(False, 128, 4160) == 0
     assert configs.DECODE.group_mode(False, 64, 4096) == 0
-    # a tuned (block_m, split_k) is used as stored
-    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 7}})
+    # a tuned (block_m, split_k) is used as stored; a 16-row split of 3 or more runs as warps along K
+    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 2}})
     tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
-    assert (tuned.block_m, tuned.block_n, tuned.split_k) == (16, 128, 7)
+    assert (tuned.block_m, tuned.block_n, tuned.split_k, tuned.warps_k) == (16, 128, 2, 1)
+    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 4}})
+    tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
+    assert (tuned.block_m, tuned.block_n, tuned.split_k, tuned.warps_k) == (16, 32, 1, 4)
 
 
 def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
@@ -64,7 +67,8 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
     assert name in configs.all_name_expressions("sm_90a") and name not in configs.all_name_expressions("sm_80")
 
 
-def test_split_k_weighs_waves_against_short_slices():
+def test_split_k_weighs_waves_against_short_slices(monkeypatch):
+    monkeypatch.setattr(configs, "WARPS_K_SPLITS", ())  # the estimate itself (warps along K: the next test)
     # Mixtral-8x7B M = 1 (2 experts) on 528 decode slots (4 CTAs per SM): gate/up 448 CTAs of 32 stages fit one
     # wave (estimate 34; 2 slices 2 waves of 16 stages, 36); down about 1.9 experts x 32 tiles = 60 CTAs of 112
     # stages: 8 slices (one wave); with act-order (3 CTAs per SM, 396 slots) 8 slices would take two waves, so 6
@@ -75,6 +79,23 @@ def test_split_k_weighs_waves_against_short_slices():
     assert configs.choose_config(1024, 8, 2, 14336, 4096, 4, 128).split_k == 1
     # slices keep at least 2 stages: K = 768 (6 stages of 128 k) splits at most 3 ways
     assert configs.choose_config(1, 128, 8, 768, 2048, 4, 128).split_k <= 3
+
+
+def test_large_splits_of_16_row_blocks_become_warps_along_k():
+    # Mixtral-8x7B down M = 4: the estimate cuts K = 14336 3 ways; one 16 x 32 CTA of 4 warp slices instead
+    cfg = configs.choose_config(8, 8, 1, 14336, 4096, 4, 128)
+    assert (cfg.block_m, cfg.block_n, cfg.warps_k, cfg.split_k, cfg.threads) == (16, 32, 4, 1, 128)
+    # Qwen3-30B-A3B down M = 1 (3 slices of 2 stages): the same
+    cfg = configs.choose_config(8, 128, 1, 768, 2048, 4, 128)
+    assert (cfg.warps_k, cfg.split_k) == (4, 1)
+    assert cfg.name_expression(False, 4, False, 128) == "moe_gemm<false, 4, 1, 1, 1, 4, 1, 4, 2, 1, 4>"
+    assert cfg.name_expression(False, 4, False, 128) in configs.all_name_expressions("sm_80")
+    # Mixtral-8x7B down M = 1 (8 slices) keeps the 16 x 128 shape
+    cfg = configs.choose_config(2, 8, 1, 14336, 4096, 4, 128)
+    assert (cfg.block_n, cfg.warps_k, cfg.split_k) == (128, 1, 8)
+    # Mixtral-8x7B gate/up M = 1 (no split) and 64-row blocks keep their shapes
+    assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).warps_k == 1
+    assert configs.choose_config(256, 8, 2, 4096, 28672, 4, 128).warps_k == 1
 
 
 def test_tuning_key_buckets_pairs_by_powers_of_two():
@@ -139,7 +160,7 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     plain = configs.kernel_instance(dec, True, 8, False, 128)
     assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == plain and plain[2] == 0
     name = configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, False, 128)
-    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 4, 2, 1, 4>"  # group mode 1, bound to 4 CTAs per SM
+    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 1, 4, 2, 1, 4>"  # group mode 1, bound to 4 CTAs per SM
     assert configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, True, 128).endswith(", 2, 3>")  # act-order
     # the 4-bit, one-group-per-stage instance carries the launch bound of 4 CTAs per SM
     assert dec.name_expression(False, 4, False, 128).endswith(", 1, 4>")
@@ -154,7 +175,7 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
 
 def test_default_tiles_fit_one_sm():
     """Every instance the launcher can request fits an H100/H200 SM's 227 KiB of opt-in shared memory."""
-    for cfg in configs.KERNEL_SHAPES.values():
+    for cfg in (*configs.KERNEL_SHAPES.values(), *configs.SPLIT_WARPS_SHAPES.values()):
         for bits in (4, 8):
             for hopper in (False, True):
                 assert cfg.smem_bytes(bits, hopper) <= 227 * 1024, (cfg, bits, hopper)
@@ -168,7 +189,8 @@ def test_benchmark_tile_specs_round_trip():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_gemm
     from dataclasses import replace
-    for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3), configs.PREFILL, configs.PREFILL_128):
+    for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3), configs.PREFILL, configs.PREFILL_128,
+                configs.DECODE_WK):
         spec = bench_gemm.tile_spec(cfg)
         assert bench_gemm.parse_tiles(spec) == [cfg]
     with pytest.raises(ValueError, match="kind 'fast'"):

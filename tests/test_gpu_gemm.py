@@ -121,6 +121,7 @@ def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeyp
     K (the ring wraps), split-K, a partial last stage and column tile, one or several experts."""
     from dataclasses import replace
     rng = np.random.default_rng(bits + 2 * sym + 4 * act_order)
+    monkeypatch.setattr(configs, "WARPS_K_SPLITS", ())  # this shape at every split (warps along K: next test)
     for stages, ku in ((2, 4), (5, 4), (8, 2), (4, 1)):
         cfg = replace(configs.DECODE, stages=stages, ku=ku)
         monkeypatch.setitem(configs.KERNEL_SHAPES, 16, cfg)
@@ -128,6 +129,28 @@ def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeyp
         for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96)):
             run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
                      dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
+
+
+@pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
+    (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
+    (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
+def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs, monkeypatch):
+    """The 16-row decode shape with 4 warps along K (configs.SPLIT_WARPS_SHAPES), forced for every split: slices
+    summed in shared memory alone (one CTA per column strip) and with split-K across CTAs on top (few experts, long
+    K); a last CTA whose last warps have no chunks (K = 768, 1120); two ring shapes; bitwise the same on a rerun."""
+    from dataclasses import replace
+    rng = np.random.default_rng(16 + bits + 2 * sym + 4 * act_order)
+    monkeypatch.setattr(configs, "WARPS_K_SPLITS", range(1, 17))
+    for stages, ku in ((2, 4), (3, 2)):
+        monkeypatch.setitem(configs.SPLIT_WARPS_SHAPES, 16, replace(configs.DECODE_WK, stages=stages, ku=ku))
+        for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 4096, 96), (8, 9, 2, 768, 96), (2, 5, 1, 1120, 288)):
+            case = dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
+                        dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
+            cfg = configs.choose_config(m, e, a, k, n, bits, gs)
+            assert cfg.warps_k == 4 and cfg.block_n == 32
+            seed = int(rng.integers(2**31))
+            first = run_case(np.random.default_rng(seed), **case)
+            assert np.array_equal(first, run_case(np.random.default_rng(seed), **case), equal_nan=True)
 
 
 @pytest.mark.parametrize("hopper", ["1", "0"])
