@@ -15,6 +15,9 @@ docs/performance.md):
   375 SASS instructions per stage instead of 630 took 0.77-0.94 of the time on all 44 16-row rows. (Measured
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
+- `moe_gemm` with warps along K (`warps_k` 4, 16 x 32, DECODE_WK): the CTA's 4 warps take 4 K slices of the same
+  32 columns and sum them in shared memory in a fixed order. It replaces the 16 x 128 shape where the split estimate
+  cuts K 2-4 ways (WARPS_K_SPLITS below): the same warps per column strip without split-K's partials in global memory.
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
   CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:26 UTC) the 128-column shape at 4 CTAs per SM
   then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
@@ -208,16 +211,19 @@ ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2,
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 # The 16-row decode shape with its K slices as the warps of one CTA (16 x 32, 4 warps along K, summed in shared
-# memory) where the split estimate cuts K in WARPS_K_SPLITS slices: 4 warp slices in one CTA instead of 3-4 CTAs
-# whose partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04 10:27 UTC (same-run
-# A/B, 67 decode rows of M = 1-64, benchmarks/bench_gemm.py --warps-k-splits): splits of 3 and 4 took 0.84-1.02 of
-# the time (geometric mean 0.92, 19 rows; Qwen1.5-MoE-A2.7B down M = 1 6.4 against 7.6 us, Mixtral-8x7B down M = 4
-# 78.6 against 88.6 us); larger splits, kept as round(split / 4) CTAs of 4 warps, lost or tied (split 5: 4 slices,
-# Mixtral-8x22B down M = 1 48.6 against 45.3 us; 6: 2 x 4 slices in 1.3 waves, Qwen1.5-MoE-A2.7B gate/up M = 1 12.8
-# against 10.8 us; 8: 28.9 against 28.6 us), so they keep the 16 x 128 shape.
+# memory) where the split estimate cuts K in WARPS_K_SPLITS slices: 4 warp slices in one CTA instead of 2-4 CTAs
+# whose partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04 (same-run A/B of
+# decode rows, benchmarks/bench_gemm.py --warps-k-splits): splits of 3 and 4 took 0.82-1.02 of the time (10:27 and
+# 10:32 UTC, geometric mean 0.93, 20 rows; Qwen1.5-MoE-A2.7B down M = 1 6.3 against 7.6 us), splits of 2 0.83-1.03
+# (10:32, 0.96, 35 rows; Mixtral-8x7B down M = 64 134.4 against 162.3 us). Larger splits lost or tied as
+# round(split / 4) CTAs of 4 warps (10:27; split 5 -> 1: Mixtral-8x22B down M = 1 48.6 against 45.3 us; 6 -> 2 in
+# 1.3 waves: Qwen1.5-MoE-A2.7B gate/up M = 1 12.8 against 10.8 us; 8 -> 2: 28.9 against 28.6 us), so they keep the
+# 16 x 128 shape. (A tuned split of 4 for Qwen1.5-MoE-A2.7B gate/up M = 1, one CTA of 4 warps per strip, took 9.4
+# against 10.8 us: `python -m cupy_moe tune` finds such cases.) Deeper rings for this shape lost (10:30, 20 rows:
+# 4 stages of 128 k 1.08, 6 or 3 stages of 64 k 1.23 / 1.17; 8 warps along K 1.12).
 DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
 SPLIT_WARPS_SHAPES = {16: DECODE_WK}
-WARPS_K_SPLITS = (3, 4)
+WARPS_K_SPLITS = (2, 3, 4)
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side, see the docstring)
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}

@@ -42,9 +42,9 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.DECODE.group_mode(False, 128, 4160) == 0
     assert configs.DECODE.group_mode(False, 64, 4096) == 0
     # a tuned (block_m, split_k) is used as stored; a 16-row split of 3 or more runs as warps along K
-    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 2}})
+    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 7}})
     tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
-    assert (tuned.block_m, tuned.block_n, tuned.split_k, tuned.warps_k) == (16, 128, 2, 1)
+    assert (tuned.block_m, tuned.block_n, tuned.split_k, tuned.warps_k) == (16, 128, 7, 1)
     configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 4}})
     tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
     assert (tuned.block_m, tuned.block_n, tuned.split_k, tuned.warps_k) == (16, 32, 1, 4)
@@ -82,7 +82,10 @@ def test_split_k_weighs_waves_against_short_slices(monkeypatch):
 
 
 def test_large_splits_of_16_row_blocks_become_warps_along_k():
-    # Mixtral-8x7B down M = 4: the estimate cuts K = 14336 3 ways; one 16 x 32 CTA of 4 warp slices instead
+    # Mixtral-8x7B down M = 64 (16 rows per expert): 2 ways; one 16 x 32 CTA of 4 warp slices instead
+    cfg = configs.choose_config(128, 8, 1, 14336, 4096, 4, 128)
+    assert (cfg.block_m, cfg.block_n, cfg.warps_k, cfg.split_k) == (16, 32, 4, 1)
+    # Mixtral-8x7B down M = 4: 3 ways; the same
     cfg = configs.choose_config(8, 8, 1, 14336, 4096, 4, 128)
     assert (cfg.block_m, cfg.block_n, cfg.warps_k, cfg.split_k, cfg.threads) == (16, 32, 4, 1, 128)
     # Qwen3-30B-A3B down M = 1 (3 slices of 2 stages): the same
