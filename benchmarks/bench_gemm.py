@@ -253,8 +253,8 @@ def main(argv=None):
                          "(block_m=[reg:|tc:]mt,warps_m,warps_n,ng,ku,stages[,warps_k]; see benchmarks/sweep_tiles.py)")
     ap.add_argument("--rows-16-max", type=int, default=None, help="tuning: override configs.ROWS_16_MAX")
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
-    ap.add_argument("--warps-k-splits", default=None,
-                    help="tuning: override configs.WARPS_K_SPLITS, e.g. '3,4' ('' or 0: never the warps-along-K shape)")
+    ap.add_argument("--warps-k-extra-stages", type=int, default=None,
+                    help="tuning: override configs.WARPS_K_EXTRA_STAGES (-1: never the warps-along-K shape)")
     ap.add_argument("--resident", default=None,
                     help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
                          "for the split-K estimate, e.g. '32=2'")
@@ -281,9 +281,9 @@ def main(argv=None):
     if args.rows_16_max is not None:
         configs.ROWS_16_MAX = args.rows_16_max
         print(f"# ROWS_16_MAX = {args.rows_16_max}")
-    if args.warps_k_splits is not None:
-        configs.WARPS_K_SPLITS = tuple(int(v) for v in args.warps_k_splits.split(",") if v.strip())
-        print(f"# WARPS_K_SPLITS = {configs.WARPS_K_SPLITS}")
+    if args.warps_k_extra_stages is not None:
+        configs.WARPS_K_EXTRA_STAGES = args.warps_k_extra_stages
+        print(f"# WARPS_K_EXTRA_STAGES = {args.warps_k_extra_stages}")
     if args.rows_64_max is not None:
         configs.ROWS_64_MAX = args.rows_64_max
         print(f"# ROWS_64_MAX = {args.rows_64_max}")

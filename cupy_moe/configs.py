@@ -17,7 +17,8 @@ docs/performance.md):
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
 - `moe_gemm` with warps along K (`warps_k` 4, 16 x 32, DECODE_WK): the CTA's 4 warps take 4 K slices of the same
   32 columns and sum them in shared memory in a fixed order. It replaces the 16 x 128 shape where the split estimate
-  cuts K 2-4 ways (WARPS_K_SPLITS below): the same warps per column strip without split-K's partials in global memory.
+  cuts K 2 or more ways and 4 warp slices are at most one stage longer (WARPS_K_EXTRA_STAGES below): about the same
+  warps per column strip, without split-K's partials in global memory.
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
   CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:26 UTC) the 128-column shape at 4 CTAs per SM
   then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
@@ -211,19 +212,21 @@ ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2,
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 # The 16-row decode shape with its K slices as the warps of one CTA (16 x 32, 4 warps along K, summed in shared
-# memory) where the split estimate cuts K in WARPS_K_SPLITS slices: 4 warp slices in one CTA instead of 2-4 CTAs
-# whose partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04 (same-run A/B of
-# decode rows, benchmarks/bench_gemm.py --warps-k-splits): splits of 3 and 4 took 0.82-1.02 of the time (10:27 and
+# memory) where the split estimate cuts K 2 or more ways and a warp's slice is at most WARPS_K_EXTRA_STAGES stages
+# longer than a split slice (always for splits of 2-4): 4 warp slices in one CTA instead of split-K's CTAs whose
+# partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04 (same-run A/B of
+# decode rows, benchmarks/bench_gemm.py --warps-k-extra-stages): splits of 3 and 4 took 0.82-1.02 of the time (10:27 and
 # 10:32 UTC, geometric mean 0.93, 20 rows; Qwen1.5-MoE-A2.7B down M = 1 6.3 against 7.6 us), splits of 2 0.83-1.03
 # (10:32, 0.96, 35 rows; Mixtral-8x7B down M = 64 134.4 against 162.3 us). Larger splits lost or tied as
 # round(split / 4) CTAs of 4 warps (10:27; split 5 -> 1: Mixtral-8x22B down M = 1 48.6 against 45.3 us; 6 -> 2 in
 # 1.3 waves: Qwen1.5-MoE-A2.7B gate/up M = 1 12.8 against 10.8 us; 8 -> 2: 28.9 against 28.6 us), so they keep the
-# 16 x 128 shape. (A tuned split of 4 for Qwen1.5-MoE-A2.7B gate/up M = 1, one CTA of 4 warps per strip, took 9.4
-# against 10.8 us: `python -m cupy_moe tune` finds such cases.) Deeper rings for this shape lost (10:30, 20 rows:
+# 16 x 128 shape. One CTA of 4 warps per strip in place of the split of 6 of Qwen1.5-MoE-A2.7B gate/up M = 1 (16
+# stages: 4 per warp against 3) took 9.4 against 10.8 us (10:32, a tuned entry); in place of the split of 5 of
+# Mixtral-8x22B down M = 1 (128 stages: 32 per warp against 26) 48.6 against 45.3 us. Deeper rings for this shape lost (10:30, 20 rows:
 # 4 stages of 128 k 1.08, 6 or 3 stages of 64 k 1.23 / 1.17; 8 warps along K 1.12).
 DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
 SPLIT_WARPS_SHAPES = {16: DECODE_WK}
-WARPS_K_SPLITS = (2, 3, 4)
+WARPS_K_EXTRA_STAGES = 1  # negative: never
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side, see the docstring)
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
@@ -290,7 +293,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
 
     tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
     if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
-        return _split_warps(replace(shape(tuned["block_m"]), split_k=tuned["split_k"]))
+        return _split_warps(replace(shape(tuned["block_m"]), split_k=tuned["split_k"]), k)
     if block_m is None:
         block_m = (16 if rows <= ROWS_16_MAX else 32 if rows <= ROWS_32_MAX else 64 if rows <= ROWS_64_MAX else 128)
     elif block_m not in KERNEL_SHAPES:
@@ -305,16 +308,19 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     stages = -(-chunks // base.ku)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
-    return _split_warps(replace(base, split_k=split))
+    return _split_warps(replace(base, split_k=split), k)
 
 
-def _split_warps(cfg: GemmConfig) -> GemmConfig:
-    """SPLIT_WARPS_SHAPES[block_m] in place of a shape split a number of ways in WARPS_K_SPLITS (see there), with
-    round(split / warps_k) (at least 1) slices across CTAs."""
+def _split_warps(cfg: GemmConfig, k: int) -> GemmConfig:
+    """SPLIT_WARPS_SHAPES[block_m] (one CTA per column strip) in place of a split shape whose K slices its warps'
+    slices exceed by at most WARPS_K_EXTRA_STAGES stages (see there)."""
     alt = SPLIT_WARPS_SHAPES.get(cfg.block_m)
-    if alt is None or cfg.kind != "reg" or cfg.split_k not in WARPS_K_SPLITS:
+    if alt is None or cfg.kind != "reg" or cfg.split_k < 2 or WARPS_K_EXTRA_STAGES < 0:
         return cfg
-    return replace(alt, split_k=max(1, round(cfg.split_k / alt.warps_k)))
+    stages = -(-max(1, k // 32) // alt.ku)
+    if -(-stages // alt.warps_k) > -(-stages // cfg.split_k) + WARPS_K_EXTRA_STAGES:
+        return cfg
+    return replace(alt, split_k=1)
 
 
 def _device_hopper() -> bool:

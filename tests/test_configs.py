@@ -68,7 +68,7 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
 
 
 def test_split_k_weighs_waves_against_short_slices(monkeypatch):
-    monkeypatch.setattr(configs, "WARPS_K_SPLITS", ())  # the estimate itself (warps along K: the next test)
+    monkeypatch.setattr(configs, "WARPS_K_EXTRA_STAGES", -1)  # the estimate itself (warps along K: the next test)
     # Mixtral-8x7B M = 1 (2 experts) on 528 decode slots (4 CTAs per SM): gate/up 448 CTAs of 32 stages fit one
     # wave (estimate 34; 2 slices 2 waves of 16 stages, 36); down about 1.9 experts x 32 tiles = 60 CTAs of 112
     # stages: 8 slices (one wave); with act-order (3 CTAs per SM, 396 slots) 8 slices would take two waves, so 6
@@ -93,9 +93,12 @@ def test_large_splits_of_16_row_blocks_become_warps_along_k():
     assert (cfg.warps_k, cfg.split_k) == (4, 1)
     assert cfg.name_expression(False, 4, False, 128) == "moe_gemm<false, 4, 1, 1, 1, 4, 1, 4, 2, 1, 4>"
     assert cfg.name_expression(False, 4, False, 128) in configs.all_name_expressions("sm_80")
-    # Mixtral-8x7B down M = 1 (8 slices) keeps the 16 x 128 shape
+    # Mixtral-8x7B down M = 1 (8 slices of 14 stages; 4 warp slices would be 28) keeps the 16 x 128 shape
     cfg = configs.choose_config(2, 8, 1, 14336, 4096, 4, 128)
     assert (cfg.block_n, cfg.warps_k, cfg.split_k) == (128, 1, 8)
+    # Qwen1.5-MoE-A2.7B gate/up M = 1: 6 slices of 3 stages become 4 warp slices of 4
+    cfg = configs.choose_config(1, 60, 4, 2048, 2816, 4, 128)
+    assert (cfg.block_n, cfg.warps_k, cfg.split_k) == (32, 4, 1)
     # Mixtral-8x7B gate/up M = 1 (no split) and 64-row blocks keep their shapes
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).warps_k == 1
     assert configs.choose_config(256, 8, 2, 4096, 28672, 4, 128).warps_k == 1

@@ -121,7 +121,7 @@ def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeyp
     K (the ring wraps), split-K, a partial last stage and column tile, one or several experts."""
     from dataclasses import replace
     rng = np.random.default_rng(bits + 2 * sym + 4 * act_order)
-    monkeypatch.setattr(configs, "WARPS_K_SPLITS", ())  # this shape at every split (warps along K: next test)
+    monkeypatch.setattr(configs, "WARPS_K_EXTRA_STAGES", -1)  # this shape at every split (warps along K: next test)
     for stages, ku in ((2, 4), (5, 4), (8, 2), (4, 1)):
         cfg = replace(configs.DECODE, stages=stages, ku=ku)
         monkeypatch.setitem(configs.KERNEL_SHAPES, 16, cfg)
@@ -140,9 +140,11 @@ def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs, monkeyp
     K); a last CTA whose last warps have no chunks (K = 768, 1120); two ring shapes; bitwise the same on a rerun."""
     from dataclasses import replace
     rng = np.random.default_rng(16 + bits + 2 * sym + 4 * act_order)
-    monkeypatch.setattr(configs, "WARPS_K_SPLITS", range(1, 17))
     for stages, ku in ((2, 4), (3, 2)):
-        monkeypatch.setitem(configs.SPLIT_WARPS_SHAPES, 16, replace(configs.DECODE_WK, stages=stages, ku=ku))
+        wk = replace(configs.DECODE_WK, stages=stages, ku=ku)
+        # every 16-row split becomes round(split / 4) CTAs of 4 warp slices (the heuristic keeps one CTA)
+        monkeypatch.setattr(configs, "_split_warps", lambda cfg, k, wk=wk: replace(
+            wk, split_k=max(1, round(cfg.split_k / wk.warps_k))) if cfg.block_m == 16 else cfg)
         for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 4096, 96), (8, 9, 2, 768, 96), (2, 5, 1, 1120, 288)):
             case = dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
                         dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
