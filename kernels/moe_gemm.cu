@@ -83,7 +83,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   if (blk * BLOCK_M >= padded || expert < 0) return;  // past the padded total, or a padding block
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wmn = warp % (WM * WN), wk = warp / (WM * WN);
+  const int wmn = WK == 1 ? warp : warp % (WM * WN), wk = WK == 1 ? 0 : warp / (WM * WN);  // (WK 1: no runtime work)
   const int wm = wmn / WN, wn = wmn % WN;
   const int g = lane >> 2, t = lane & 3;
 
