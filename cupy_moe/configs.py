@@ -212,18 +212,18 @@ ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2,
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 # The 16-row decode shape with its K slices as the warps of one CTA (16 x 32, 4 warps along K, summed in shared
-# memory) where the split estimate cuts K 2 or more ways and a warp's slice is at most WARPS_K_EXTRA_STAGES stages
-# longer than a split slice (always for splits of 2-4): 4 warp slices in one CTA instead of split-K's CTAs whose
-# partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04 (same-run A/B of
-# decode rows, benchmarks/bench_gemm.py --warps-k-extra-stages): splits of 3 and 4 took 0.82-1.02 of the time (10:27 and
-# 10:32 UTC, geometric mean 0.93, 20 rows; Qwen1.5-MoE-A2.7B down M = 1 6.3 against 7.6 us), splits of 2 0.83-1.03
-# (10:32, 0.96, 35 rows; Mixtral-8x7B down M = 64 134.4 against 162.3 us). Larger splits lost or tied as
-# round(split / 4) CTAs of 4 warps (10:27; split 5 -> 1: Mixtral-8x22B down M = 1 48.6 against 45.3 us; 6 -> 2 in
-# 1.3 waves: Qwen1.5-MoE-A2.7B gate/up M = 1 12.8 against 10.8 us; 8 -> 2: 28.9 against 28.6 us), so they keep the
-# 16 x 128 shape. One CTA of 4 warps per strip in place of the split of 6 of Qwen1.5-MoE-A2.7B gate/up M = 1 (16
-# stages: 4 per warp against 3) took 9.4 against 10.8 us (10:32, a tuned entry); in place of the split of 5 of
-# Mixtral-8x22B down M = 1 (128 stages: 32 per warp against 26) 48.6 against 45.3 us. Deeper rings for this shape lost (10:30, 20 rows:
-# 4 stages of 128 k 1.08, 6 or 3 stages of 64 k 1.23 / 1.17; 8 warps along K 1.12).
+# memory), in place of split-K where the estimate cuts K 2 or more ways and a warp's slice is at most
+# WARPS_K_EXTRA_STAGES stages longer than a split slice (always for splits of 2-4): one CTA per column strip instead
+# of split CTAs whose partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04,
+# same-run A/B of decode rows (benchmarks/bench_gemm.py --warps-k-extra-stages): splits of 3-4 took 0.82-1.02 of the
+# time (10:27 and 10:32 UTC, geometric mean 0.93, 20 rows; Qwen1.5-MoE-A2.7B down M = 1 6.3 against 7.6 us), splits
+# of 2 0.83-1.03 (10:32, 0.96, 35 rows; Mixtral-8x7B down M = 64 134.4 against 162.3 us). Longer splits: a split of
+# 6 on short K (Qwen1.5-MoE-A2.7B gate/up M = 1, 16 stages: 4 per warp against 3) 9.4 against 10.8 us (10:32, as a
+# tuned entry); a split of 5 on long K (Mixtral-8x22B down M = 1, 128 stages: 32 per warp against 26) 48.6 against
+# 45.3 us, hence the rule. Kept as round(split / 4) CTAs of 4 warps, splits of 6 and 8 lost or tied (10:27: 12.8
+# against 10.8 us in 1.3 waves; 28.9 against 28.6 us). Deeper rings for this shape lost (10:30, 20 rows: 4 stages of
+# 128 k 1.08, 6 or 3 stages of 64 k 1.23 / 1.17), and so did 8 warps along K (1.12; 6-11% faster only on three
+# long-K Mixtral down rows).
 DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
 SPLIT_WARPS_SHAPES = {16: DECODE_WK}
 WARPS_K_EXTRA_STAGES = 1  # negative: never
