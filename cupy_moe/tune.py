@@ -34,6 +34,11 @@ def _random_weight(cp, e, k, n, bits, group_size, seed):
     return StackedGptqWeight(qweight, scales, qzeros, None, bits=bits, group_size=group_size)
 
 
+def _label(cfg):
+    """'16k S=1': block rows (k: warps along K, s: the swapped-operand kernel) and split-K CTAs."""
+    return f"{cfg.block_m}{'s' if cfg.kind == 'ws' else 'k' if cfg.warps_k > 1 else ''} S={cfg.split_k}"
+
+
 def _graph_time(cp, stream, calls, reps):
     """Median GPU seconds per call of `calls` (zero-argument launches), captured once in a CUDA graph and replayed:
     Python's launch overhead stays out, as in benchmarks/bench_gemm.py."""
@@ -96,22 +101,29 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 for block_m in configs.SUPPORTED_BLOCK_M:
                     max_split = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
                     candidates.update((block_m, s) for s in SPLITS if s <= max_split)
-                timings = {}
+                # a stored (block_m, split_k) runs what choose_config makes of it (16-row splits of 2-4, say, all run
+                # one warps-along-K shape): each configuration is timed once, under the first entry that gives it
+                runs = {}
                 for block_m, split in sorted(candidates):
+                    table[key] = {"block_m": block_m, "split_k": split}  # choose_config now returns it
+                    runs.setdefault(configs.choose_config(rows, e, top_k, k, n, bits, group_size), (block_m, split))
+                timings = {}
+                for cfg, (block_m, split) in runs.items():
                     aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
                     calls = [lambda al=al: fused_moe_gemm(x, weight, *al, top_k, out=out) for al in aligned]
-                    table[key] = {"block_m": block_m, "split_k": split}  # choose_config now returns it
-                    timings[block_m, split] = _graph_time(cp, stream, calls, reps)
+                    table[key] = {"block_m": block_m, "split_k": split}
+                    timings[cfg] = _graph_time(cp, stream, calls, reps)
                 del table[key]
-                (block_m, split), best = min(timings.items(), key=lambda kv: kv[1])
-                base = timings[heuristic.block_m, heuristic.split_k]
+                best_cfg, best = min(timings.items(), key=lambda kv: kv[1])
+                block_m, split = runs[best_cfg]
+                base = timings.get(heuristic, float("nan"))
                 found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
-                per_block = {}  # the fastest split of each block_m
-                for (bm, sk), t in sorted(timings.items(), key=lambda kv: kv[1]):
-                    per_block.setdefault(bm, f"{bm}: {t * 1e6:.1f} (S={sk})")
-                log(f"{model:18s} {phase:7s} M={m:5d}  best block_m={block_m:3d} split_k={split:2d} "
-                    f"{best * 1e6:9.1f} us; the heuristic's ({heuristic.block_m}, {heuristic.split_k}) "
-                    f"{base * 1e6:9.1f} us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
+                per_block = {}  # the fastest configuration of each block_m
+                for cfg, t in sorted(timings.items(), key=lambda kv: kv[1]):
+                    per_block.setdefault(cfg.block_m, f"{_label(cfg)}: {t * 1e6:.1f}")
+                log(f"{model:18s} {phase:7s} M={m:5d}  best {_label(best_cfg)} (block_m={block_m:3d} "
+                    f"split_k={split:2d}) {best * 1e6:9.1f} us; the heuristic's {_label(heuristic)} {base * 1e6:9.1f} "
+                    f"us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
             cp.get_default_memory_pool().free_all_blocks()
     if save and found:
         log(f"saved {len(found)} configurations for {gpu} to {configs.save_tuned(gpu, found)}")

@@ -41,7 +41,7 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.DECODE.group_mode(False, 128, 4096) == 1
     assert configs.DECODE.group_mode(False, 128, 4160) == 0
     assert configs.DECODE.group_mode(False, 64, 4096) == 0
-    # a tuned (block_m, split_k) is used as stored; a 16-row split of 3 or more runs as warps along K
+    # a tuned (block_m, split_k) is used as stored; a 16-row split that 4 warps along K cover runs as those
     configs.save_tuned("Fake GPU", {configs.tuning_key(8, 4096, 28672, 4, 128, 2): {"block_m": 16, "split_k": 7}})
     tuned = configs.choose_config(1, 8, 2, 4096, 28672, 4, 128)
     assert (tuned.block_m, tuned.block_n, tuned.split_k, tuned.warps_k) == (16, 128, 7, 1)
