@@ -6,6 +6,9 @@ Nothing here touches CuPy or a GPU at import time, so `import cupy_moe` works an
 - `get_kernel(filename, name_expression)` compiles `kernels/<filename>` for the current device on first use
   (NVRTC through `cupy.RawModule`, `-std=c++17`, the kernels folder on the include path, a `#line` directive so
   compiler errors name the .cu file and its own lines) and caches the kernel per device.
+- `launch(kernel, grid, block, args, shared_mem)` starts a kernel on the current stream; on compute capability 9.0
+  and later with programmatic dependent launch (kernels/pdl.cuh), so that its launch overlaps the tail of the
+  previous kernel of the stream (also inside a CUDA graph). CUPY_MOE_PDL=0 in the environment turns that off.
 - `compile_for_arch(filename, name_expressions, arch)` compiles without a GPU (NVRTC only) and returns the
   compiler log with the ptxas resource report; the CPU test uses it to catch compile errors and spills.
 
@@ -13,13 +16,16 @@ On compute capability 9.0 the target is `sm_90a` so that Hopper-only instruction
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
 import re
 from pathlib import Path
 
-__all__ = ["kernels_dir", "get_kernel", "compile_for_arch", "device_arch", "parse_ptxas_report"]
+import numpy as np
+
+__all__ = ["kernels_dir", "get_kernel", "launch", "compile_for_arch", "device_arch", "parse_ptxas_report"]
 
 _PKG_DIR = Path(__file__).resolve().parent
 
@@ -95,6 +101,70 @@ def get_kernel(filename: str, name_expression: str):
     from ._xp import require_gpu
     cp = require_gpu(f"kernel {name_expression}")
     return _kernel(filename, name_expression, cp.cuda.Device().id)
+
+
+def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+    """Start `kernel` (from get_kernel) on the current stream with `args` (CuPy arrays, np.uintp null pointers,
+    np.int32 / np.int64 / np.float32 scalars). On compute capability 9.0 and later the launch carries the
+    programmatic-serialization attribute (cuLaunchKernelEx): the kernel may be scheduled while the previous kernel
+    of the stream still runs and waits in pdl::wait() (kernels/pdl.cuh) before touching memory, which saves the
+    launch gap between back-to-back kernels. Every kernel of kernels/ calls it. CUPY_MOE_PDL=0: a plain launch."""
+    from ._xp import cupy as cp
+    dev = cp.cuda.Device().id
+    launch_ex = _launch_ex(dev) if os.environ.get("CUPY_MOE_PDL", "1") != "0" else None
+    if launch_ex is None:
+        kernel(grid, block, args, shared_mem=shared_mem)
+        return
+    values = [_c_arg(i, x) for i, x in enumerate(args)]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    dims = [int(d) for d in (*grid, 1, 1)[:3]] + [int(d) for d in (*block, 1, 1)[:3]]
+    config = _LaunchConfig(*dims, int(shared_mem), cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    function = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel -> cupy.cuda.Function
+    status = launch_ex(ctypes.byref(config), ctypes.c_void_p(function.ptr), params, None)
+    if status != 0:
+        raise RuntimeError(f"cuLaunchKernelEx({getattr(kernel, 'name', kernel)}): CUDA driver error {status}")
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes padding, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+@functools.lru_cache(maxsize=None)
+def _launch_ex(device_id: int):
+    """The driver's cuLaunchKernelEx where programmatic dependent launch exists (compute capability >= 9.0), else
+    None."""
+    from ._xp import cupy as cp
+    if int(cp.cuda.Device(device_id).compute_capability) < 90:
+        return None
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def _c_arg(i: int, x):
+    if hasattr(x, "data") and hasattr(x.data, "ptr"):  # a CuPy array: its device pointer
+        return ctypes.c_void_p(x.data.ptr)
+    for np_type, c_type in ((np.uintp, ctypes.c_void_p), (np.int32, ctypes.c_int32), (np.int64, ctypes.c_int64),
+                            (np.float32, ctypes.c_float)):
+        if isinstance(x, np_type):
+            return c_type(x.item())
+    raise TypeError(f"kernel argument {i}: expected a CuPy array or an np.uintp/int32/int64/float32 scalar, "
+                    f"got {type(x).__name__}")
 
 
 def compile_for_arch(filename: str, name_expressions, arch: str) -> str:

@@ -83,9 +83,8 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
     if p <= _FUSED_MAX_PAIRS:
         warps = max(1, min(32, (_FUSED_SMEM_INTS - 2 * (e + 1) - 32) // e, -(-p // 32)))
         smem = 4 * (warps * e + 2 * (e + 1) + 32)
-        kern = _compile.get_kernel(_FILE, f"moe_align_fused<{idt}>")
-        kern((1,), (32 * warps,), (ids, i32(p), i32(e), i32(b), i32(capacity), sorted_ids, expert_ids, post_padded),
-             shared_mem=smem)
+        _compile.launch(_compile.get_kernel(_FILE, f"moe_align_fused<{idt}>"), (1,), (32 * warps,),
+                        (ids, i32(p), i32(e), i32(b), i32(capacity), sorted_ids, expert_ids, post_padded), smem)
         return sorted_ids, expert_ids, post_padded
     num_chunks = min(_CHUNKS_MAX, -(-p // 1024))
     chunk = -(-p // num_chunks)
@@ -94,11 +93,11 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
     grid = (-(-num_chunks // _WARPS_PER_CTA),)
     threads = (32 * _WARPS_PER_CTA,)
     smem_w = 4 * _WARPS_PER_CTA * e
-    _compile.get_kernel(_FILE, f"moe_align_count<{idt}>")(
-        grid, threads, (ids, i32(p), i32(e), i32(chunk), i32(num_chunks), counts), shared_mem=smem_w)
-    _compile.get_kernel(_FILE, "moe_align_scan")(
-        (1,), (1024,), (counts, i32(p), i32(e), i32(num_chunks), i32(b), i32(capacity), sorted_ids, expert_ids,
-                        post_padded), shared_mem=4 * (2 * (e + 1) + 32))
-    _compile.get_kernel(_FILE, f"moe_align_scatter<{idt}>")(
-        grid, threads, (ids, i32(p), i32(e), i32(chunk), i32(num_chunks), counts, sorted_ids), shared_mem=smem_w)
+    _compile.launch(_compile.get_kernel(_FILE, f"moe_align_count<{idt}>"), grid, threads,
+                    (ids, i32(p), i32(e), i32(chunk), i32(num_chunks), counts), smem_w)
+    _compile.launch(_compile.get_kernel(_FILE, "moe_align_scan"), (1,), (1024,),
+                    (counts, i32(p), i32(e), i32(num_chunks), i32(b), i32(capacity), sorted_ids, expert_ids,
+                     post_padded), 4 * (2 * (e + 1) + 32))
+    _compile.launch(_compile.get_kernel(_FILE, f"moe_align_scatter<{idt}>"), grid, threads,
+                    (ids, i32(p), i32(e), i32(chunk), i32(num_chunks), counts, sorted_ids), smem_w)
     return sorted_ids, expert_ids, post_padded

@@ -183,9 +183,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     i32 = np.int32
     null = np.uintp(0)  # a null pointer argument
     opt = lambda x: null if x is None else x
-    kern((blocks.size, n_tiles, split), (cfg.threads,),
-         (a, qweight, scales, opt(qzeros), opt(g_idx),
-          opt(topk_weights), sorted_ids, blocks, post, out, opt(partials), opt(tickets),
-          i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k), i32(p), i32(capacity), i32(split), i32(cps)),
-         shared_mem=smem)
+    _compile.launch(kern, (blocks.size, n_tiles, split), (cfg.threads,),
+                    (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), sorted_ids, blocks, post, out,
+                     opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k), i32(p),
+                     i32(capacity), i32(split), i32(cps)), smem)
     return out

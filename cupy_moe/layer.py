@@ -78,10 +78,9 @@ def select_experts(router_logits, top_k, renormalize=False):
     ids = cp.empty((m, top_k), cp.int32)
     if m:
         warps = _THREADS // 32
-        kernel = _compile.get_kernel(_FILE, f"select_experts<{ctype}>")
-        kernel((-(-m // warps),), (_THREADS,),
-               (logits, weights, ids, np.int32(m), np.int32(e), np.int32(top_k), np.int32(bool(renormalize))),
-               shared_mem=warps * e * 4)
+        _compile.launch(_compile.get_kernel(_FILE, f"select_experts<{ctype}>"), (-(-m // warps),), (_THREADS,),
+                        (logits, weights, ids, np.int32(m), np.int32(e), np.int32(top_k), np.int32(bool(renormalize))),
+                        warps * e * 4)
     return weights, ids
 
 
@@ -98,9 +97,8 @@ def _linear_f32(x, w):
     if m:
         name = f"router_logits<{_ctype('hidden_states', x.dtype)}, {_CTYPES[np.dtype(w.dtype).name]}>"
         warps = _THREADS // 32
-        _compile.get_kernel(_FILE, name)((-(-m * e // warps),), (_THREADS,),
-                                         (cp.ascontiguousarray(x), cp.ascontiguousarray(w), out,
-                                          np.int32(m), np.int32(e), np.int32(h)))
+        _compile.launch(_compile.get_kernel(_FILE, name), (-(-m * e // warps),), (_THREADS,),
+                        (cp.ascontiguousarray(x), cp.ascontiguousarray(w), out, np.int32(m), np.int32(e), np.int32(h)))
     return out
 
 
@@ -159,12 +157,12 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
     # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
     x1 = fused_moe_gemm(hidden_states, w13, sorted_ids, expert_ids, num_post, a, out=cp.empty((p, 2 * i), dtype))
     act = cp.empty((p, i), dtype)
-    _compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>")(
-        _grid(p * i), (_THREADS,), (x1, act, np.int64(p), np.int32(i)))
+    _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i), (_THREADS,),
+                    (x1, act, np.int64(p), np.int32(i)))
     x2 = fused_moe_gemm(act, w2, sorted_ids, expert_ids, num_post, 1, topk_weights=topk_weights,
                         out=cp.empty((p, h), dtype))
-    _compile.get_kernel(_FILE, f"moe_sum<{ctype}>")(
-        _grid(m * h), (_THREADS,), (x2, out, np.int64(m), np.int32(a), np.int32(h)))
+    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}>"), _grid(m * h), (_THREADS,),
+                    (x2, out, np.int64(m), np.int32(a), np.int32(h)))
     return out
 
 

@@ -17,6 +17,7 @@
 //
 // Expert ids outside [0, E) are skipped (the GPU cannot raise without a host sync; the reference raises).
 
+#include "pdl.cuh"
 
 namespace {
 
@@ -122,6 +123,7 @@ template <typename IdT>
 __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs, int num_experts, int block_size,
                                 int capacity, int* __restrict__ sorted, int* __restrict__ expert_ids,
                                 int* __restrict__ post_padded) {
+  pdl::enter();
   extern __shared__ int smem[];
   const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, tid = threadIdx.x;
   int* cnt = smem;                                 // [W, E] warp-private counters
@@ -160,6 +162,7 @@ __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs,
 template <typename IdT>
 __global__ void moe_align_count(const IdT* __restrict__ topk_ids, int num_pairs, int num_experts, int chunk,
                                 int num_chunks, int* __restrict__ counts) {
+  pdl::enter();
   extern __shared__ int smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c = blockIdx.x * (blockDim.x >> 5) + warp;
@@ -177,6 +180,7 @@ __global__ void moe_align_count(const IdT* __restrict__ topk_ids, int num_pairs,
 __global__ void moe_align_scan(int* __restrict__ counts, int num_pairs, int num_experts, int num_chunks,
                                int block_size, int capacity, int* __restrict__ sorted,
                                int* __restrict__ expert_ids, int* __restrict__ post_padded) {
+  pdl::enter();
   extern __shared__ int smem[];
   int* total_e = smem;
   int* start_e = total_e + (num_experts + 1);
@@ -208,6 +212,7 @@ __global__ void moe_align_scan(int* __restrict__ counts, int num_pairs, int num_
 template <typename IdT>
 __global__ void moe_align_scatter(const IdT* __restrict__ topk_ids, int num_pairs, int num_experts, int chunk,
                                   int num_chunks, const int* __restrict__ counts, int* __restrict__ sorted) {
+  pdl::enter();
   extern __shared__ int smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int c = blockIdx.x * (blockDim.x >> 5) + warp;

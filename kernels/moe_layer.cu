@@ -8,6 +8,8 @@
 struct f16 { unsigned short bits; };
 struct bf16 { unsigned short bits; };
 
+#include "pdl.cuh"
+
 namespace {
 
 // -inf without <math.h>, which NVRTC does not provide.
@@ -46,6 +48,7 @@ __device__ __forceinline__ void argmax_step(float& v, int& i, float ov, int oi) 
 template <typename T>
 __global__ void select_experts(const T* __restrict__ logits_me, float* __restrict__ weights_ma,
                                int* __restrict__ ids_ma, int M, int E, int A, int renormalize) {
+  pdl::enter();
   extern __shared__ float probs[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -87,6 +90,7 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
 // out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T.
 template <typename T>
 __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi, long long P, int I) {
+  pdl::enter();
   const long long total = P * I;
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
        t += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -101,6 +105,7 @@ __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi
 // out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T.
 template <typename T>
 __global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, long long M, int A, int H) {
+  pdl::enter();
   const long long total = M * H;
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
        t += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -118,6 +123,7 @@ __global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, lon
 template <typename TX, typename TW>
 __global__ void router_logits(const TX* __restrict__ x_mh, const TW* __restrict__ w_eh, float* __restrict__ out_me,
                               int M, int E, int H) {
+  pdl::enter();
   const int lane = threadIdx.x & 31;
   const long long task = blockIdx.x * static_cast<long long>(blockDim.x >> 5) + (threadIdx.x >> 5);
   if (task >= static_cast<long long>(M) * E) return;

@@ -135,3 +135,38 @@ def test_dlpack_inputs_are_used_without_a_copy(tmp_path):
     assert x.data.ptr == xt.data_ptr()  # the same device memory: no copy
     y = torch.from_dlpack(layer(x))
     torch.testing.assert_close(y, torch.from_dlpack(layer(cp.asarray(xt.cpu().numpy()))), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 40])
+def test_programmatic_dependent_launch_changes_nothing(tmp_path, monkeypatch, m):
+    """With programmatic dependent launch (compute capability 9.0+, kernels/pdl.cuh) a kernel may start before the
+    previous one ends and must wait before touching memory: eight layers in a row, each reading the previous output,
+    eager and replayed from a CUDA graph, give bitwise what plain launches give."""
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
+                     return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0)
+    x0 = cp.asarray(np.random.default_rng(m).standard_normal((m, H)).astype(np.float16))
+
+    def chain():
+        y = x0
+        for _ in range(8):
+            y = layer(y)
+        return y
+
+    monkeypatch.setenv("CUPY_MOE_PDL", "0")
+    plain = chain()
+    assert bool(cp.isfinite(plain).all())
+    monkeypatch.setenv("CUPY_MOE_PDL", "1")
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        eager = chain()
+        stream.synchronize()
+        stream.begin_capture()
+        captured = chain()
+        graph = stream.end_capture()
+        for _ in range(3):
+            captured.fill(np.nan)
+            graph.launch(stream)
+            stream.synchronize()
+            cp.testing.assert_array_equal(captured.view(cp.uint16), plain.view(cp.uint16))
+    cp.testing.assert_array_equal(eager.view(cp.uint16), plain.view(cp.uint16))
