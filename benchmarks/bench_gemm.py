@@ -152,7 +152,7 @@ def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=Tr
     flops = 2.0 * p * k * n
     floor_t = traffic / copy_bw
     return dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, block_n=r.cfg.block_n,
-                kind=r.cfg.kind, warps_k=r.cfg.warps_k,
+                kind=r.cfg.kind, warps_k=r.cfg.warps_k, shape=r.cfg.short_name,
                 split_k=r.cfg.split_k,
                 time_us=t * 1e6, tbps=traffic / t / 1e12, tflops=flops / t / 1e12,
                 floor_ratio=floor_t / t, flop_ratio=flops / t / mm_rate, baseline_us=t_base * 1e6,
@@ -307,9 +307,7 @@ def main(argv=None):
                 row["pass"] = bool(verdict(row, args.bar))
                 failed += not row["pass"]
                 rows.append(row)
-                # s: the swapped-operand kernel; k: warps along K (configs.SPLIT_WARPS_SHAPES)
-                shape = f"{row['block_m']}{'s' if row['kind'] == 'ws' else 'k' if row['warps_k'] > 1 else ''}"
-                print(f"{model:18s} {phase:7s} {m:5d} {shape:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
+                print(f"{model:18s} {phase:7s} {m:5d} {row['shape']:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
                       f"{row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} {row['flop_ratio']:6.2f} "
                       f"{row['baseline_us']:9.1f} {row['baseline_ratio']:7.2f}  {'pass' if row['pass'] else 'FAIL'}",
                       flush=True)

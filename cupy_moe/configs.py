@@ -140,6 +140,12 @@ class GemmConfig:
         return 128 * self.ng if self.kind == "ws" else self.warps_n * self.ng * 32
 
     @property
+    def short_name(self) -> str:
+        """Block rows with a kind mark, as benchmarks and `tune` print it: '16', '16k' (warps along K), '32s' (the
+        swapped-operand kernel)."""
+        return f"{self.block_m}{'s' if self.kind == 'ws' else 'k' if self.warps_k > 1 else ''}"
+
+    @property
     def threads(self) -> int:
         return self.warps_m * self.warps_n * self.warps_k * 32
 

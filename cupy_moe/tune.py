@@ -35,8 +35,8 @@ def _random_weight(cp, e, k, n, bits, group_size, seed):
 
 
 def _label(cfg):
-    """'16k S=1': block rows (k: warps along K, s: the swapped-operand kernel) and split-K CTAs."""
-    return f"{cfg.block_m}{'s' if cfg.kind == 'ws' else 'k' if cfg.warps_k > 1 else ''} S={cfg.split_k}"
+    """'16k S=1': GemmConfig.short_name and split-K CTAs."""
+    return f"{cfg.short_name} S={cfg.split_k}"
 
 
 def _graph_time(cp, stream, calls, reps):

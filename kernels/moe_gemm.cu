@@ -803,7 +803,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   // barrier: one more step in flight. H200, 2026-12-04 14:07 UTC (benchmarks/ab_kernels.sh, 14 rows on 128 x 256
   // tiles, M = 1024 and 4096): 0.930 of the time on the geometric mean (Qwen2-57B-A14B down M = 1024 493 -> 453 us).
   // Issuing the copies after the dequantization instead took 1.35x as long: these tiles wait on their loads.
-  constexpr bool kEarly = kWg && !(BM == 64 && BN == 256);
+  constexpr bool kEarly = kWg && !(BM == 64 && BN == 256);  // the wgmma path with the second barrier
   constexpr int PRE = LOOK + kEarly;  // steps issued before the loop
 #pragma unroll
   for (int s = 0; s < PRE; ++s) {
@@ -827,8 +827,8 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     if constexpr (kWg) {
       if (!(kProbe & 4)) wg_issue(rd, it & 1);
       gptq::wg_wait<1>();  // this warpgroup's step it-1 is done
-      if constexpr (!(BM == 64 && BN == 256)) __syncthreads();
-      if constexpr (kEarly) {
+      if constexpr (kEarly) {  // the second barrier, then the early refill
+        __syncthreads();
         const int nx = it + PRE;
         if (nx < nsteps) issue(rd == 0 ? NS - 1 : rd - 1, c_begin + nx * KT);
         gptq::cp_async_commit();

@@ -53,7 +53,7 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
 def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
     # Mixtral-8x7B gate/up M = 88: 22 rows per expert -> 32-row blocks; on sm_90a the ws kernel, 256 columns
     ws = configs.choose_config(88, 8, 2, 4096, 28672, 4, 128, hopper=True)
-    assert (ws.kind, ws.block_m, ws.block_n) == ("ws", 32, 256)
+    assert (ws.kind, ws.block_m, ws.block_n, ws.short_name) == ("ws", 32, 256, "32s")
     assert configs.choose_config(88, 8, 2, 4096, 28672, 4, 128, hopper=False).kind == "reg"
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128, hopper=True).kind == "reg"  # 16-row blocks stay
     # DeepSeek-V2-Lite down M = 256: 64 blocks x 8 tiles of 256 columns, 44 steps; 2 CTAs per SM (264 slots):
@@ -90,7 +90,7 @@ def test_large_splits_of_16_row_blocks_become_warps_along_k():
     assert (cfg.block_m, cfg.block_n, cfg.warps_k, cfg.split_k, cfg.threads) == (16, 32, 4, 1, 128)
     # Qwen3-30B-A3B down M = 1 (3 slices of 2 stages): the same
     cfg = configs.choose_config(8, 128, 1, 768, 2048, 4, 128)
-    assert (cfg.warps_k, cfg.split_k) == (4, 1)
+    assert (cfg.warps_k, cfg.split_k, cfg.short_name) == (4, 1, "16k")
     assert cfg.name_expression(False, 4, False, 128) == "moe_gemm<false, 4, 1, 1, 1, 4, 1, 4, 2, 1, 4>"
     assert cfg.name_expression(False, 4, False, 128) in configs.all_name_expressions("sm_80")
     # Mixtral-8x7B down M = 1 (8 slices of 14 stages; 4 warp slices would be 28) keeps the 16 x 128 shape
