@@ -693,7 +693,9 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   gptq::GroupConst gc{};
   int dq_left = 0, dq_first = (grp0 + 1) * chunks_per_group - c_begin;
 
-  auto dequant_step = [&](const unsigned char* st, unsigned bt) {
+  // q: the step's raw words, loaded by dequant before any store (each st.shared is a compiler memory barrier, so
+  // loads left between the stores would each wait out their latency in turn)
+  auto dequant_step = [&](const unsigned char* st, unsigned bt, const u32 (&q)[RPT][kBits / 4]) {
     if (dq_left == 0) {
       const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[dn];
       int zc = kSymZero;
@@ -706,22 +708,27 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
       dq_first = chunks_per_group;
     }
     --dq_left;
-    const u32* qs = reinterpret_cast<const u32*>(st + L::kA);
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
       const int run = RPT * dk + i;  // k = 8*run .. 8*run+7 of the step
-      u32 q[kBits / 4];
-#pragma unroll
-      for (int r = 0; r < kBits / 4; ++r) q[r] = qs[(run * (kBits / 4) + r) * BN + dn];
-      const uint4 v = gptq::dequant8_natural<kBf16, kBits>(q, gc);
+      const uint4 v = gptq::dequant8_natural<kBf16, kBits>(q[i], gc);
       gptq::st_shared16(kWg ? (bt + b_col) ^ (run << 4) : bt + (b_col ^ (run << 4)), v);
     }
   };
   const unsigned bs_base = gptq::smem_u32(bs);
   auto dequant = [&](int slot, int buf) {
+    u32 q[KT][RPT][kBits / 4];  // every raw word of the stage, in one batch of loads
+#pragma unroll
+    for (int s = 0; s < KT; ++s) {
+      const u32* qs = reinterpret_cast<const u32*>(smem + slot * L::kStage + s * L::kStep + L::kA);
+#pragma unroll
+      for (int i = 0; i < RPT; ++i)
+#pragma unroll
+        for (int r = 0; r < kBits / 4; ++r) q[s][i][r] = qs[((RPT * dk + i) * (kBits / 4) + r) * BN + dn];
+    }
 #pragma unroll
     for (int s = 0; s < KT; ++s)
-      dequant_step(smem + slot * L::kStage + s * L::kStep, bs_base + buf * L::kBuf + s * L::kB);
+      dequant_step(smem + slot * L::kStage + s * L::kStep, bs_base + buf * L::kBuf + s * L::kB, q[s]);
   };
 
   float acc[MTL][NT][4];
@@ -767,10 +774,10 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   // dequantization of the next step runs while it computes.
   // The descriptors of slot 0 / buffer 0 are built once; a tile at byte offset o from them has start field + o / 16
   // (smem addresses < 256 KiB: the 14-bit field does not overflow), so a step's descriptors are one add each.
-  const int wg = warp >> 2;
+  const int wg = __shfl_sync(0xffffffffu, warp >> 2, 0);  // warp-uniform to the compiler: descriptors in uniform registers
   const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * WTN * 64;
-  const unsigned a_desc0 = kWg ? gptq::kept(gptq::wg_desc_sw64_lo(smem_base + wg_a_off)) : 0u;
-  const unsigned b_desc0 = kWg ? gptq::kept(gptq::wg_desc_sw64_lo(bs_base + wg_b_off)) : 0u;
+  const unsigned a_desc0 = kWg ? gptq::wg_desc_sw64_lo(smem_base + wg_a_off) : 0u;
+  const unsigned b_desc0 = kWg ? gptq::wg_desc_sw64_lo(bs_base + wg_b_off) : 0u;
   auto wg_issue = [&](int slot, int buf) {
     if constexpr (kWg) {
       gptq::wg_fence_operands(acc[0]);
