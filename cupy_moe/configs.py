@@ -53,13 +53,17 @@ after the decode kernel lost 40% of its instructions: two 16-row blocks per expe
 11 rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256
 220 against 262 us; DeepSeek-V2-Lite gate/up M = 256, 24 rows, 140 against 133 us), r <= 24 -> 32 (`moe_gemm_ws` on
 sm_90a, else `moe_gemm` with two m16 tiles: an expert's weights are read and dequantized once instead of twice),
-r <= 64 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
+r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
 gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against 8496 us in the
 benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40 against 96: with 68 and 96 rows per expert
 the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182 against 217 us) and 0.53/0.82 (DeepSeek-V2-Lite,
 224 against 424 us) of the time: binomial routing puts many experts past 64 rows, and a second, mostly empty 64-row
-block dequantizes the expert's weights again. With exactly 64 rows (Qwen3-30B-A3B, Qwen3-235B-A22B) 64-row tiles
-stay ahead or even, 0.95-1.05; 128 x 128 tiles lost to 128 x 256 on all ten of these rows).
+block dequantizes the expert's weights again; 128 x 128 tiles lost to 128 x 256 on all ten of these rows. Since the
+tc kernel loads a stage's raw words in one batch (2026-12-04 15:49-15:52, --rows-64-max 24 against 80): at 32 and
+48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time (Qwen3-30B-A3B gate/up M = 768 150.7 against
+186.1 us), at 64 rows the 128-row tile takes 0.85-0.91 (Qwen3-30B-A3B gate/up M = 1024 190.7 against 225.0 us) and
+0.66 (Mixtral-8x7B gate/up M = 256, 405.5 against 611.9 us); 56 is between, where about 1 expert in 8 would need a
+second 64-row block).
 Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
 phase passes M*A rows with A = 1); `min(E, M*A)` overestimated small batches (Mixtral M = 4: 8 against 5.5).
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
@@ -237,8 +241,8 @@ WARPS_K_EXTRA_STAGES = 1  # negative: never
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
 _PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
-# heuristic block_m: rows per touched expert <= 20 -> 16, <= 24 -> 32, <= 64 -> 64, else 128
-ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 20, 24, 64
+# heuristic block_m: rows per touched expert <= 20 -> 16, <= 24 -> 32, <= 56 -> 64, else 128 (module docstring)
+ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 20, 24, 56
 
 
 def hopper_enabled(arch: str) -> bool:

@@ -19,8 +19,8 @@ def test_heuristic_block_sizes_follow_rows_per_expert():
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).block_m == 16
     assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).block_m == 16       # 16 rows per expert
     assert configs.choose_config(88, 8, 2, 4096, 28672, 4, 128).block_m == 32       # 22 rows per expert
-    assert configs.choose_config(256, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 64 rows per expert
-    assert configs.choose_config(264, 8, 2, 4096, 28672, 4, 128).block_m == 128     # 66 rows per expert
+    assert configs.choose_config(224, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 56 rows per expert
+    assert configs.choose_config(232, 8, 2, 4096, 28672, 4, 128).block_m == 128     # 58 rows per expert
     assert configs.choose_config(4096, 8, 2, 4096, 28672, 4, 128).block_m == 128    # 1024 rows per expert
     cfg = configs.choose_config(1, 8, 2, 4096, 4096, 4, 128)
     assert 1 < cfg.split_k <= 16  # few tiles: split-K fills the SMs
