@@ -70,6 +70,12 @@ split_k (deterministic: partials reduced in fixed order by the last CTA of each 
 16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
 waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
 epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
+The tc tiles (64 and 128 rows) split only grids of less than one wave: their fp32 partial tiles (64-128 KB per
+CTA, written, then read by the last CTA) cost far more than 2 stages. H200, 2026-12-04 16:04-16:12 (python -m
+cupy_moe tune, all splits timed): on grids of one wave or more, split 2 took 1.04-1.57 of the unsplit time
+(Qwen2-57B-A14B down M = 256 310.6 against 212.8 us, Qwen1.5-MoE-A2.7B gate/up M = 512 201.8 against 128.3,
+Mixtral-8x22B down M = 512 709.3 against 618.4); under one wave the splits still win (Mixtral-8x22B down M = 128,
+4 ways, 308.7 against 443.0 us unsplit at 128 rows).
 Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (estimate 34; 2 ways 36);
 64 CTAs x 112 stages split 8 ways. H200, 2026-12-03 18:46 UTC (benchmarks/sweep_splits.py: 60 rows of M = 1-64,
 every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
@@ -316,8 +322,10 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     max_split = max_split_k(k, base.ku)
     slots = base.ctas_per_sm(act_order) * NUM_SMS
     stages = -(-chunks // base.ku)
+    if base.kind == "tc" and ctas >= slots:
+        max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's 2 stages (docstring)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
-    split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))  # partials cost traffic too
+    split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))
     return _split_warps(replace(base, split_k=split), k)
 
 

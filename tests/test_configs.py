@@ -26,6 +26,15 @@ def test_heuristic_block_sizes_follow_rows_per_expert():
     assert 1 < cfg.split_k <= 16  # few tiles: split-K fills the SMs
 
 
+def test_tc_tiles_split_only_grids_under_one_wave():
+    # Qwen2-57B-A14B down M = 256: 2048 rows on 64 experts, 64-row tiles, 896 CTAs (3.4 waves): not split
+    cfg = configs.choose_config(2048, 64, 1, 2560, 3584, 4, 128, hopper=False)
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 64, 1)
+    # Mixtral-8x22B down M = 128: 8 experts x 24 column tiles = 192 CTAs, under one wave (2 per SM): split
+    cfg = configs.choose_config(256, 8, 1, 16384, 6144, 4, 128, hopper=False)
+    assert (cfg.kind, cfg.block_m) == ("tc", 64) and cfg.split_k > 1
+
+
 def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     # expected distinct experts under uniform routing: Mixtral M = 4, top-2 of 8 -> 8 * (1 - 0.75^4) = 5.47, not 8
     assert configs.expected_experts(4, 8, 2) == pytest.approx(8 * (1 - 0.75**4))
