@@ -71,7 +71,7 @@ split_k (deterministic: partials reduced in fixed order by the last CTA of each 
 waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
 epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
 The tc tiles (64 and 128 rows) split only grids of less than one wave: their fp32 partial tiles (64-128 KB per
-CTA, written, then read by the last CTA) cost far more than 2 stages. H200, 2026-12-04 16:04-16:12 (python -m
+CTA, written, then read by the last CTA) cost far more than 2 stages. H200, 2026-12-04 15:59-16:03 (python -m
 cupy_moe tune, all splits timed): on grids of one wave or more, split 2 took 1.04-1.57 of the unsplit time
 (Qwen2-57B-A14B down M = 256 310.6 against 212.8 us, Qwen1.5-MoE-A2.7B gate/up M = 512 201.8 against 128.3,
 Mixtral-8x22B down M = 512 709.3 against 618.4); under one wave the splits still win (Mixtral-8x22B down M = 128,
