@@ -155,6 +155,31 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const long long chunk_words = static_cast<long long>(kBits) * N;
   const int* w_src = qw_e + (c_begin * chunk_words + WPR * cp_row * N) + n0[0] + 4 * cp_col;
   const unsigned ring_cp = gptq::smem_u32(ring + threadIdx.x);  // the lane's copy slot, as a shared address
+  // Scales and zero words travel in the same ring, a small one beside it (gring): per stage, scale/zero set u and
+  // column group ng, the warp's SZ pieces of 16 bytes: 4 of scales (columns n0 .. n0 + 31), then ZQ of zero words.
+  // (Loaded into registers one stage ahead, as they were until 2026-12-04, the register copy at the end of each
+  // iteration waited for the load issued in the same iteration: every stage paid a full HBM latency.)
+  // Lane l < GPIECES copies piece l of every stage, from g_src (its columns) plus the row of the group.
+  constexpr int ZQ = kBits / 4, SZ = kActOrder ? 1 : 4 + ZQ, GPIECES = kActOrder ? 0 : KS * NG * SZ;
+  constexpr int G_STAGE = KS * NG * (THREADS / 32) * SZ;  // uint4 per stage
+  static_assert(GPIECES <= 32, "one gring piece per lane");
+  __shared__ uint4 gring[kActOrder ? 1 : NST * G_STAGE];
+  auto gslot = [&](int stage, int u, int ng) -> const uint4* {
+    return gring + stage * G_STAGE + ((u * NG + ng) * (THREADS / 32) + warp) * SZ;
+  };
+  const int g_piece = lane % SZ, g_ng = lane / SZ % NG, g_u = lane / (SZ * NG);
+  const bool g_do = lane < GPIECES && n_ok[g_ng] && (g_piece < 4 || qz_e != nullptr);
+  const unsigned char* g_src = reinterpret_cast<const unsigned char*>(
+      g_piece < 4 || !qz_e ? static_cast<const void*>(sc_e + n0[g_ng] + 8 * (g_piece & 3))
+                           : static_cast<const void*>(qz_e + n0[g_ng] * kBits / 32 + 4 * (g_piece - 4)));
+  const long long g_row = g_piece < 4 ? 2ll * N : 4ll * zwords;  // bytes per group
+  const unsigned g_dst = gptq::smem_u32(gring + ((g_u * NG + g_ng) * (THREADS / 32) + warp) * SZ + g_piece);
+  const int chunks_per_group = group_len / 32;
+  // GM 1: g_src steps to the next group's row every stages_per_group stages (slices start on stage boundaries);
+  // g_left counts the stages left in the current one
+  const int stages_per_group = GM == 1 ? chunks_per_group / KU : 1;
+  int g_left = stages_per_group - (GM == 1 ? c_begin % chunks_per_group / KU : 0);
+  if (GM == 1) g_src += (c_begin / chunks_per_group) * g_row;
   auto issue_weights = [&](int stage, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
@@ -171,17 +196,23 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       }
       w_src += chunk_words;
     }
+    if constexpr (GM == 1) {  // the stage's group
+      if (g_do && c0 < c_end) gptq::cp_async16(g_dst + 16u * G_STAGE * stage, g_src, true);
+      if (--g_left == 0) {
+        g_left = stages_per_group;
+        g_src += g_row;
+      }
+    } else if constexpr (GM == 0) {  // set u = the group of chunk c0 + u
+      const int c = c0 + g_u;
+      if (g_do && c < c_end)
+        gptq::cp_async16(g_dst + 16u * G_STAGE * stage, g_src + (c / chunks_per_group) * g_row, true);
+    }
     gptq::cp_async_commit();
   };
 
-  // Activations: registers, loaded at the top of their own stage; scales and zeros: registers, one stage ahead.
+  // Activations: registers, loaded at the top of their own stage.
   struct Stage {
     uint4 x[KU][MT][2];
-  };
-  struct Groups {  // scales and zeros of a stage
-    uint2 s[KS][NG];
-    uint4 sa[kFold ? NG : 1];
-    u32 z[KS][NG];
   };
   // Activation loads are unconditional: padding rows read row 0 of a (their sums are never stored), and chunks
   // past the slice end (not computed; only without kWhole) read the slice's last chunk.
@@ -199,50 +230,28 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int h = 0; h < 2; ++h) a_row[mt][h] += 32 * KU;  // a running pointer: the next stage's k
   };
-  // GM 1: scale and zero rows of the group of the next stage to load (the main loop steps them); the other modes
-  // divide per chunk.
-  const unsigned short* sc_grp = sc_e;
-  const int* qz_grp = qz_e;
-  auto load_groups = [&](Groups& gr, int c0) {
-    if constexpr (!kActOrder) {
-#pragma unroll
-      for (int u = 0; u < KS; ++u) {
-        const int c = c0 + u;
-        const long long grp = GM == 1 ? 0 : (c * 32) / group_len;
-        const unsigned short* sc = sc_grp + grp * N;
-#pragma unroll
-        for (int ng = 0; ng < NG; ++ng) {
-          if (!((kWhole || c < c_end) && n_ok[ng])) continue;
-          if constexpr (kFold) {
-            gr.sa[ng] = __ldg(reinterpret_cast<const uint4*>(sc + n0[ng] + 8 * t));
-          } else {
-            gr.s[u][ng] = __ldg(reinterpret_cast<const uint2*>(sc + n0[ng] + 4 * g));
-          }
-          if (qz_e) gr.z[u][ng] = static_cast<u32>(__ldg(qz_grp + grp * zwords + (n0[ng] + 4 * g) * kBits / 32));
-        }
-      }
-    }
-  };
-
-  // per-(set, ng, col) dequantization constants, built from the stage's scale/zero words
-  auto unpack = [&](const Groups& gr, int u, int ng, gptq::GroupConst (&gc)[4]) {
+  // per-(set, ng, col) dequantization constants of the lane's columns n0 + 4g .. + 3, from the stage's gring pieces
+  auto unpack = [&](int stage, int u, int ng, gptq::GroupConst (&gc)[4]) {
+    const unsigned char* gs = reinterpret_cast<const unsigned char*>(gslot(stage, u, ng));
+    const uint2 sv = kFold ? make_uint2(0u, 0u) : *reinterpret_cast<const uint2*>(gs + 8 * g);
+    const u32 zw = qz_e ? *reinterpret_cast<const u32*>(gs + 64 + 4 * (g * kBits / 8)) : 0u;
 #pragma unroll
     for (int col = 0; col < 4; ++col) {
-      const u32 sw = kFold ? 0u : col < 2 ? gr.s[u][ng].x : gr.s[u][ng].y;
+      const u32 sw = col < 2 ? sv.x : sv.y;
       const unsigned short sb = static_cast<unsigned short>(sw >> (16 * (col & 1)));
       int zc = kSymZero;
-      if (qz_e) zc = kBits == 4 ? (gr.z[u][ng] >> (16 * (g & 1) + 4 * col)) & 15u : (gr.z[u][ng] >> (8 * col)) & 255u;
+      if (qz_e) zc = kBits == 4 ? (zw >> (16 * (g & 1) + 4 * col)) & 15u : (zw >> (8 * col)) & 255u;
       gc[col] = gptq::group_const<kBf16>(sb, zc);
     }
-    if constexpr (kBits == 4) gptq::zero_consts4<kBf16>(qz_e ? gr.z[u][ng] >> (16 * (g & 1)) : kSymZero * 0x1111u, gc);
+    if constexpr (kBits == 4) gptq::zero_consts4<kBf16>(qz_e ? zw >> (16 * (g & 1)) : kSymZero * 0x1111u, gc);
   };
 
-  auto compute = [&](const Stage& st, const Groups& gr, int stage, int c0) {
+  auto compute = [&](const Stage& st, int stage, int c0) {
     float part[kFold ? MT : 1][kFold ? NG : 1][4][4];  // kFold: this stage's sums before scaling
     gptq::GroupConst gcs[NG][4];
     if constexpr (GM == 1) {  // once per stage: every chunk of the stage is in the same group
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng) unpack(gr, 0, ng, gcs[ng]);
+      for (int ng = 0; ng < NG; ++ng) unpack(stage, 0, ng, gcs[ng]);
     }
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
@@ -266,7 +275,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         unsigned short s_bits[4][8];
         int z[4][8];
         if constexpr (GM == 0) {
-          unpack(gr, u, ng, gcs[ng]);
+          unpack(stage, u, ng, gcs[ng]);
         } else if constexpr (kActOrder) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
@@ -326,7 +335,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
         if (!n_ok[ng]) continue;
-        const u32 sw[4] = {gr.sa[ng].x, gr.sa[ng].y, gr.sa[ng].z, gr.sa[ng].w};
+        const uint4 sa = gslot(stage, 0, ng)[t];  // the scales of real columns n0 + 8t .. + 7
+        const u32 sw[4] = {sa.x, sa.y, sa.z, sa.w};
         float sf[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -344,7 +354,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     }
   };
 
-  // Pipeline: NST-1 weight stages in flight ahead of the one computed; scales and zeros one stage ahead.
+  // Pipeline: NST-1 stages of weights, scales and zeros in flight ahead of the one computed.
 #pragma unroll
   for (int s = 0; s < NST - 1; ++s) issue_weights(s, c_begin + s * KU);
 #pragma unroll
@@ -357,35 +367,16 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       pair_of[mt][h] = valid ? p : -1;
       a_row[mt][h] = a + static_cast<long long>(valid ? p / top_k : 0) * K + 32 * c_begin + 8 * t;
     }
-  // Activations are loaded at the top of their own stage (mostly L1 hits: the CTA's warps share them), scales and
-  // zeros one stage ahead (first reads from HBM).
+  // Activations are loaded at the top of their own stage (mostly L1 hits: the CTA's warps share them).
   Stage cur;
-  Groups gcur = {}, gnxt = {};
-  // GM 1: stages left in the group of sc_grp (slices start on stage boundaries)
-  const int stages_per_group = GM == 1 ? group_len / (32 * KU) : 1;
-  int grp_left = stages_per_group;
-  if constexpr (GM == 1) {
-    const int grp = c_begin * 32 / group_len;
-    grp_left -= (c_begin * 32 - grp * group_len) / (32 * KU);
-    sc_grp += static_cast<long long>(grp) * N;
-    if (qz_e) qz_grp += static_cast<long long>(grp) * zwords;
-  }
-  if (c_begin < c_end) load_groups(gcur, c_begin);  // (an empty warp slice would read past the scales)
   int stage = 0;
   for (int c0 = c_begin; c0 < c_end; c0 += KU) {
     __syncwarp();  // every lane is done reading the slot refilled next
     issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: not copied (never computed)
     load(cur, c0);
-    if (GM == 1 && --grp_left == 0) {
-      grp_left = stages_per_group;
-      sc_grp += N;
-      if (qz_e) qz_grp += zwords;
-    }
-    if (c0 + KU < c_end) load_groups(gnxt, c0 + KU);
-    gptq::cp_async_wait<NST - 1>();  // this stage's weights have landed
+    gptq::cp_async_wait<NST - 1>();  // this stage's weights, scales and zeros have landed
     __syncwarp();  // ... including the pieces other lanes copied
-    compute(cur, gcur, stage, c0);
-    gcur = gnxt;
+    compute(cur, stage, c0);
     stage = (stage + 1) % NST;
   }
   gptq::cp_async_wait<0>();
