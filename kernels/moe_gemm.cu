@@ -769,8 +769,17 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const unsigned wg_a_off = BM == 128 ? wg * 64 * 64 : 0, wg_b_off = BM == 128 ? 0 : wg * WTN * 64;
   const unsigned a_desc0 = kWg ? gptq::wg_desc_sw64_lo(smem_base + wg_a_off) : 0u;
   const unsigned b_desc0 = kWg ? gptq::wg_desc_sw64_lo(bs_base + wg_b_off) : 0u;
+  // BM 128: warpgroup 1 owns rows 64 .. 127 of the block. Padding sits at the end of each expert's rows, so they are
+  // all padding when row 64 is (an expert's last block with at most 64 rows: about half the blocks when experts get
+  // 64 +- 8 rows); that warpgroup then issues no wgmma, its sums stay zero and are never stored.
+  bool wg_live = true;
+  if constexpr (kWg && BM == 128) {
+    const int p64 = __ldg(sorted + blk * BM + 64);
+    wg_live = __shfl_sync(0xffffffffu, wg == 0 || (p64 >= 0 && p64 < num_pairs), 0);
+  }
   auto wg_issue = [&](int slot, int buf) {
     if constexpr (kWg) {
+      if (!wg_live) return;
       gptq::wg_fence_operands(acc[0]);
       gptq::wg_fence();
 #pragma unroll
