@@ -94,12 +94,15 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const unsigned short* a_row[MT][2];
   int pair_of[MT][2];
 
-  int n0[NG];
+  // n0: the lane's 32-column groups; nc: the group it loads and computes, the last one of N for a group past N (its
+  // sums are never stored), so the main loop needs no column checks
+  int n0[NG], nc[NG];
   bool n_ok[NG];
 #pragma unroll
   for (int ng = 0; ng < NG; ++ng) {
     n0[ng] = blockIdx.y * BLOCK_N + (wn * NG + ng) * 32;
     n_ok[ng] = n0[ng] < N;  // N % 32 == 0, so a group is all in or all out
+    nc[ng] = n_ok[ng] ? n0[ng] : N - 32;
   }
 
   const long long rows_q = static_cast<long long>(K) * kBits / 32;
@@ -145,15 +148,15 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // counted 32 shared-memory wavefronts per copy instruction of the old mapping, against 4 ideal.)
   const int cp_row = lane >> 3;
   const int cp_col = ((lane & 7) - 2 * cp_row) & 7;
-  const int rd_pos = warp * 32 + 8 * t + ((g + 2 * t) & 7);
-  auto ring_base = [&](int stage, int u, int ng, int r) -> uint4* {
-    return ring + ((stage * KU + u) * NG * WPR + ng * WPR + r) * THREADS;
-  };
-  auto ring_slot = [&](int stage, int u, int ng, int r) -> uint4* { return ring_base(stage, u, ng, r) + rd_pos; };
-  // The lane's copy source: qweight row kBits * c + WPR * cp_row (+ r) of chunk c, column n0 + 4 cp_col (+ 32 ng);
-  // a running pointer (one add per chunk).
+  // Slot (u, ng, r) of a stage is uint4 number ((u * NG + ng) * WPR + r) * THREADS (+ the lane's position) after the
+  // stage's start: compile-time offsets from one base per stage (one add instead of an index computation per access).
+  constexpr int RING_STAGE = KU * NG * WPR * THREADS;  // uint4 per stage
+  auto ring_off = [](int u, int ng, int r) { return ((u * NG + ng) * WPR + r) * THREADS; };
+  const int rd_pos = static_cast<int>(gptq::kept(warp * 32 + 8 * t + ((g + 2 * t) & 7)));
+  // The lane's copy source: qweight row kBits * c + WPR * cp_row (+ r) of chunk c, column nc + 4 cp_col; a running
+  // pointer (one add per chunk).
   const long long chunk_words = static_cast<long long>(kBits) * N;
-  const int* w_src = qw_e + (c_begin * chunk_words + WPR * cp_row * N) + n0[0] + 4 * cp_col;
+  const int* w_src = qw_e + (c_begin * chunk_words + WPR * cp_row * N) + nc[0] + 4 * cp_col;
   const unsigned ring_cp = gptq::smem_u32(ring + threadIdx.x);  // the lane's copy slot, as a shared address
   // Scales and zero words travel in the same ring, a small one beside it (gring): per stage, scale/zero set u and
   // column group ng, the warp's SZ pieces of 16 bytes: 4 of scales (columns n0 .. n0 + 31), then ZQ of zero words.
@@ -164,14 +167,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr int G_STAGE = KS * NG * (THREADS / 32) * SZ;  // uint4 per stage
   static_assert(GPIECES <= 32, "one gring piece per lane");
   __shared__ uint4 gring[kActOrder ? 1 : NST * G_STAGE];
-  auto gslot = [&](int stage, int u, int ng) -> const uint4* {
-    return gring + stage * G_STAGE + ((u * NG + ng) * (THREADS / 32) + warp) * SZ;
-  };
+  // the warp's pieces of set u, group ng in a stage that starts at gs (gstage)
+  auto gstage = [&](int stage) -> const uint4* { return gring + stage * G_STAGE + warp * SZ; };
+  auto gslot = [&](const uint4* gs, int u, int ng) -> const uint4* { return gs + (u * NG + ng) * (THREADS / 32) * SZ; };
   const int g_piece = lane % SZ, g_ng = lane / SZ % NG, g_u = lane / (SZ * NG);
-  const bool g_do = lane < GPIECES && n_ok[g_ng] && (g_piece < 4 || qz_e != nullptr);
+  const bool g_do = lane < GPIECES && (g_piece < 4 || qz_e != nullptr);
   const unsigned char* g_src = reinterpret_cast<const unsigned char*>(
-      g_piece < 4 || !qz_e ? static_cast<const void*>(sc_e + n0[g_ng] + 8 * (g_piece & 3))
-                           : static_cast<const void*>(qz_e + n0[g_ng] * kBits / 32 + 4 * (g_piece - 4)));
+      g_piece < 4 || !qz_e ? static_cast<const void*>(sc_e + nc[g_ng] + 8 * (g_piece & 3))
+                           : static_cast<const void*>(qz_e + nc[g_ng] * kBits / 32 + 4 * (g_piece - 4)));
   const long long g_row = g_piece < 4 ? 2ll * N : 4ll * zwords;  // bytes per group
   const unsigned g_dst = gptq::smem_u32(gring + ((g_u * NG + g_ng) * (THREADS / 32) + warp) * SZ + g_piece);
   const int chunks_per_group = group_len / 32;
@@ -181,21 +184,21 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   int g_left = stages_per_group - (GM == 1 ? c_begin % chunks_per_group / KU : 0);
   if (GM == 1) g_src += (c_begin / chunks_per_group) * g_row;
   auto issue_weights = [&](int stage, int c0) {
+    const unsigned dst = ring_cp + 16u * static_cast<unsigned>(stage * RING_STAGE);
+    const int* src = w_src;
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
-      const int c = c0 + u;
+      // chunks past the slice end are not computed, so their slots are left as they are (kWhole: the slice ends on a
+      // stage boundary, one test per stage)
+      const bool ok = (kWhole ? c0 : c0 + u) < c_end && !(kProbe & 1);
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng) {
-        // chunks past the slice end and columns past N are not computed, so their slots are left as they are
-        const bool ok = c < c_end && n_ok[ng] && !(kProbe & 1);
+      for (int ng = 0; ng < NG; ++ng)
 #pragma unroll
         for (int r = 0; r < WPR; ++r)
-          if (ok)
-            gptq::cp_async16(ring_cp + 16 * static_cast<unsigned>(ring_base(stage, u, ng, r) - ring),
-                             w_src + r * N + 32 * ng, true);
-      }
-      w_src += chunk_words;
+          if (ok) gptq::cp_async16(dst + 16u * ring_off(u, ng, r), src + r * N + (nc[ng] - nc[0]), true);
+      src += chunk_words;
     }
+    w_src = src;
     if constexpr (GM == 1) {  // the stage's group
       if (g_do && c0 < c_end) gptq::cp_async16(g_dst + 16u * G_STAGE * stage, g_src, true);
       if (--g_left == 0) {
@@ -231,8 +234,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       for (int h = 0; h < 2; ++h) a_row[mt][h] += 32 * KU;  // a running pointer: the next stage's k
   };
   // per-(set, ng, col) dequantization constants of the lane's columns n0 + 4g .. + 3, from the stage's gring pieces
-  auto unpack = [&](int stage, int u, int ng, gptq::GroupConst (&gc)[4]) {
-    const unsigned char* gs = reinterpret_cast<const unsigned char*>(gslot(stage, u, ng));
+  auto unpack = [&](const uint4* gst, int u, int ng, gptq::GroupConst (&gc)[4]) {
+    const unsigned char* gs = reinterpret_cast<const unsigned char*>(gslot(gst, u, ng));
     const uint2 sv = kFold ? make_uint2(0u, 0u) : *reinterpret_cast<const uint2*>(gs + 8 * g);
     const u32 zw = qz_e ? *reinterpret_cast<const u32*>(gs + 64 + 4 * (g * kBits / 8)) : 0u;
 #pragma unroll
@@ -249,9 +252,11 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   auto compute = [&](const Stage& st, int stage, int c0) {
     float part[kFold ? MT : 1][kFold ? NG : 1][4][4];  // kFold: this stage's sums before scaling
     gptq::GroupConst gcs[NG][4];
+    const uint4* gst = gstage(stage);
+    const uint4* rs = ring + rd_pos + stage * RING_STAGE;  // the lane's pieces of this stage
     if constexpr (GM == 1) {  // once per stage: every chunk of the stage is in the same group
 #pragma unroll
-      for (int ng = 0; ng < NG; ++ng) unpack(stage, 0, ng, gcs[ng]);
+      for (int ng = 0; ng < NG; ++ng) unpack(gst, 0, ng, gcs[ng]);
     }
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
@@ -271,17 +276,16 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       }
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
-        if (!n_ok[ng]) continue;
         unsigned short s_bits[4][8];
         int z[4][8];
         if constexpr (GM == 0) {
-          unpack(stage, u, ng, gcs[ng]);
+          unpack(gst, u, ng, gcs[ng]);
         } else if constexpr (kActOrder) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            const uint2 sv = __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(gk[j]) * N + n0[ng] + 4 * g));
+            const uint2 sv = __ldg(reinterpret_cast<const uint2*>(sc_e + static_cast<long long>(gk[j]) * N + nc[ng] + 4 * g));
             const u32 zw = qz_e ? static_cast<u32>(__ldg(qz_e + static_cast<long long>(gk[j]) * zwords +
-                                                         (n0[ng] + 4 * g) * kBits / 32))
+                                                         (nc[ng] + 4 * g) * kBits / 32))
                                 : 0u;
 #pragma unroll
             for (int col = 0; col < 4; ++col) {
@@ -294,7 +298,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         }
         uint4 wq[WPR];
 #pragma unroll
-        for (int r = 0; r < WPR; ++r) wq[r] = *ring_slot(stage, u, ng, r);
+        for (int r = 0; r < WPR; ++r) wq[r] = rs[ring_off(u, ng, r)];
 #pragma unroll
         for (int col = 0; col < 4; ++col) {
           u32 q[WPR];
@@ -334,8 +338,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     if constexpr (kFold) {  // acc += part * scale; accumulator column r of tile col is real column 8t + col + 4(r & 1)
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
-        if (!n_ok[ng]) continue;
-        const uint4 sa = gslot(stage, 0, ng)[t];  // the scales of real columns n0 + 8t .. + 7
+        const uint4 sa = gslot(gst, 0, ng)[t];  // the scales of real columns nc + 8t .. + 7
         const u32 sw[4] = {sa.x, sa.y, sa.z, sa.w};
         float sf[8];
 #pragma unroll
