@@ -15,6 +15,9 @@ docs/performance.md):
   375 SASS instructions per stage instead of 630 took 0.77-0.94 of the time on all 44 16-row rows. (Measured
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
+  2026-12-04 18:00 UTC (same-run A/B, 40 decode rows): ring offsets from one base per stage, one slice test per stage
+  and clamped columns instead of per-chunk tests cut the loop to 326 instructions per stage (from 387); 0.85-0.95 of
+  the time on most rows (DeepSeek-V3 down M = 16 272 -> 236 us, Mixtral-8x7B gate/up M = 1 49.5 -> 45.3).
 - `moe_gemm` with warps along K (`warps_k` 4, 16 x 32, DECODE_WK): the CTA's 4 warps take 4 K slices of the same
   32 columns and sum them in shared memory in a fixed order. It replaces the 16 x 128 shape where the split estimate
   cuts K 2 or more ways and 4 warp slices are at most one stage longer (WARPS_K_EXTRA_STAGES below): about the same
