@@ -51,12 +51,15 @@ docs/performance.md):
   and 128 rows to the tc kernel, the better of two shapes each by 3-27% (DeepSeek-V3 gate/up M = 1024 3236
   against 2885 us).
 
-Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 20 -> 16 (H200, 2026-12-03 20:03 UTC,
+Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 24 -> 16 (H200, 2026-12-03 20:03 UTC,
 after the decode kernel lost 40% of its instructions: two 16-row blocks per expert beat one 32-row ws block on 9 of
 11 rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256
-220 against 262 us; DeepSeek-V2-Lite gate/up M = 256, 24 rows, 140 against 133 us), r <= 24 -> 32 (`moe_gemm_ws` on
-sm_90a, else `moe_gemm` with two m16 tiles: an expert's weights are read and dequantized once instead of twice),
-r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
+220 against 262 us; the exception, DeepSeek-V2-Lite gate/up M = 256 at 24 rows, 140 against 133 us, turned after the
+decode loop lost another 16% of its instructions: 2026-12-04 18:06 UTC, `python -m cupy_moe tune --dry-run`, 117.5
+against 134.0 us, down 64.2 against 70.7). The 32-row block (`moe_gemm_ws` on sm_90a, else `moe_gemm` with two
+m16 tiles) is no longer picked by the heuristic: in the same tune run it lost at 24 rows (above) and at 32 rows to the
+64-row tile (Qwen2-57B-A14B gate/up M = 256 561.0 against 411.9 us; DeepSeek-V3 gate/up M = 1024 3428.5 against
+2630.4); it stays for `block_m=32` and the tuner. r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles, Qwen2-57B-A14B
 gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against 8496 us in the
 benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40 against 96: with 68 and 96 rows per expert
 the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182 against 217 us) and 0.53/0.82 (DeepSeek-V2-Lite,
@@ -250,8 +253,9 @@ WARPS_K_EXTRA_STAGES = 1  # negative: never
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
 _PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
-# heuristic block_m: rows per touched expert <= 20 -> 16, <= 24 -> 32, <= 56 -> 64, else 128 (module docstring)
-ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 20, 24, 56
+# heuristic block_m: rows per touched expert <= 24 -> 16, <= 56 -> 64, else 128 (module docstring); ROWS_32_MAX <=
+# ROWS_16_MAX: the heuristic picks no 32-row block (a benchmark may raise it to compare)
+ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 24, 24, 56
 
 
 def hopper_enabled(arch: str) -> bool:
