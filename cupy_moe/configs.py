@@ -15,7 +15,7 @@ docs/performance.md):
   375 SASS instructions per stage instead of 630 took 0.77-0.94 of the time on all 44 16-row rows. (Measured
   2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
   on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
-  2026-12-04 18:00 UTC (same-run A/B, 40 decode rows): ring offsets from one base per stage, one slice test per stage
+  2026-12-04 17:55 UTC (same-run A/B, 40 decode rows): ring offsets from one base per stage, one slice test per stage
   and clamped columns instead of per-chunk tests cut the loop to 326 instructions per stage (from 387); 0.85-0.95 of
   the time on most rows (DeepSeek-V3 down M = 16 272 -> 236 us, Mixtral-8x7B gate/up M = 1 49.5 -> 45.3).
 - `moe_gemm` with warps along K (`warps_k` 4, 16 x 32, DECODE_WK): the CTA's 4 warps take 4 K slices of the same
@@ -55,7 +55,7 @@ Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 
 after the decode kernel lost 40% of its instructions: two 16-row blocks per expert beat one 32-row ws block on 9 of
 11 rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256
 220 against 262 us; the exception, DeepSeek-V2-Lite gate/up M = 256 at 24 rows, 140 against 133 us, turned after the
-decode loop lost another 16% of its instructions: 2026-12-04 18:06 UTC, `python -m cupy_moe tune --dry-run`, 117.5
+decode loop lost another 16% of its instructions: 2026-12-04 18:01 UTC, `python -m cupy_moe tune --dry-run`, 117.5
 against 134.0 us, down 64.2 against 70.7). The 32-row block (`moe_gemm_ws` on sm_90a, else `moe_gemm` with two
 m16 tiles) is no longer picked by the heuristic: in the same tune run it lost at 24 rows (above) and at 32 rows to the
 64-row tile (Qwen2-57B-A14B gate/up M = 256 561.0 against 411.9 us; DeepSeek-V3 gate/up M = 1024 3428.5 against
