@@ -356,4 +356,18 @@ __device__ __forceinline__ void a_operands(const uint4& x, const uint4& y, u32 (
   }
 }
 
+// The B operand (16x8, col) of the swapped decode mmas (weights as the m16 side, rows as the n8 side): for k16 half
+// kh of a 32-k chunk, b_kh[0] / b_kh[1] = row g's activations at the k of A slots 2t, 2t+1 / 2t+8, 2t+9, in the
+// dequantizer's pair order (4-bit (k0,k4) (k1,k5) | (k2,k6) (k3,k7); 8-bit natural). x: k0+8t .. k0+8t+7 of row g.
+template <int kBits>
+__device__ __forceinline__ void b_operands_n8(const uint4& x, u32 (&b0)[2], u32 (&b1)[2]) {
+  if constexpr (kBits == 4) {
+    b0[0] = prmt(x.x, x.z, 0x5410u); b0[1] = prmt(x.x, x.z, 0x7632u);
+    b1[0] = prmt(x.y, x.w, 0x5410u); b1[1] = prmt(x.y, x.w, 0x7632u);
+  } else {
+    b0[0] = x.x; b0[1] = x.y;
+    b1[0] = x.z; b1[1] = x.w;
+  }
+}
+
 }  // namespace gptq

@@ -370,17 +370,123 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       pair_of[mt][h] = valid ? p : -1;
       a_row[mt][h] = a + static_cast<long long>(valid ? p / top_k : 0) * K + 32 * c_begin + 8 * t;
     }
+  // ---- Swapped operands for a 16-row block with at most 8 rows (M = 1, or experts with few tokens): the weights
+  // are the mma's m16 side and the block's first 8 rows its n8 side, so one mma covers 16 columns instead of 8 and
+  // only row g is loaded and paired. Rows 8..15 are padding exactly when row 8 is (an expert's padding ends its last
+  // block), the same for the whole CTA. m16 tile h of a lane's column group: rows g and g + 8 are its columns
+  // n0 + 4g + 2h and n0 + 4g + 2h + 1 (the words the lane holds anyway), so the ring, the copies and the
+  // dequantization are those of the plain path. Sums: sw[ng][h][r] = column 4g + 2h + (r >> 1), row 2t + (r & 1);
+  // moved into acc's layout after the loop, so the epilogue is shared.
+  constexpr bool kCanSwap = BLOCK_M == 16 && !kActOrder && kProbe == 0;
+  float sw[NG][2][4];
+  auto compute_n8 = [&](const uint4 (&xs)[KU], int stage, int c0) {
+    float part[kFold ? NG : 1][2][4];
+    gptq::GroupConst gcs[NG][4];
+    const uint4* gst = gstage(stage);
+    const uint4* rs = ring + rd_pos + stage * RING_STAGE;
+    if constexpr (GM == 1) {
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) unpack(gst, 0, ng, gcs[ng]);
+    }
+#pragma unroll
+    for (int u = 0; u < KU; ++u) {
+      if (!kWhole && c0 + u >= c_end) break;
+      u32 b[2][2];  // [k16 half][register]: row g's activations in the dequantizer's k order
+      gptq::b_operands_n8<kBits>(xs[u], b[0], b[1]);
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        if constexpr (GM == 0) unpack(gst, u, ng, gcs[ng]);
+        uint4 wq[WPR];
+#pragma unroll
+        for (int r = 0; r < WPR; ++r) wq[r] = rs[ring_off(u, ng, r)];
+        u32 w[4][4];  // the 4 columns' dequantized pairs
+#pragma unroll
+        for (int col = 0; col < 4; ++col) {
+          u32 q[WPR];
+#pragma unroll
+          for (int r = 0; r < WPR; ++r) q[r] = col == 0 ? wq[r].x : col == 1 ? wq[r].y : col == 2 ? wq[r].z : wq[r].w;
+          gptq::dequant8u<kBf16, kBits, !kFold>(q, gcs[ng][col], w[col]);
+        }
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int kh = 0; kh < 2; ++kh) {
+            const u32 a[4] = {w[2 * h][2 * kh], w[2 * h + 1][2 * kh], w[2 * h][2 * kh + 1], w[2 * h + 1][2 * kh + 1]};
+            float (&d)[4] = kFold ? part[kFold ? ng : 0][h] : sw[ng][h];
+            if (kFold && u == 0 && kh == 0) {
+              gptq::mma16816_zero<kBf16>(d, a, b[kh][0], b[kh][1]);
+            } else {
+              gptq::mma16816<kBf16>(d, a, b[kh][0], b[kh][1]);
+            }
+          }
+      }
+    }
+    if constexpr (kFold) {  // sw += part * scale of the row's column
+#pragma unroll
+      for (int ng = 0; ng < NG; ++ng) {
+        const uint2 sv = reinterpret_cast<const uint2*>(gslot(gst, 0, ng))[g];  // columns n0 + 4g .. + 3
+        const float sf[4] = {gptq::half_bits_to_float(static_cast<unsigned short>(sv.x)),
+                             gptq::half_bits_to_float(static_cast<unsigned short>(sv.x >> 16)),
+                             gptq::half_bits_to_float(static_cast<unsigned short>(sv.y)),
+                             gptq::half_bits_to_float(static_cast<unsigned short>(sv.y >> 16))};
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) sw[ng][h][r] = fmaf(part[ng][h][r], sf[2 * h + (r >> 1)], sw[ng][h][r]);
+      }
+    }
+  };
+
   // Activations are loaded at the top of their own stage (mostly L1 hits: the CTA's warps share them).
-  Stage cur;
-  int stage = 0;
-  for (int c0 = c_begin; c0 < c_end; c0 += KU) {
-    __syncwarp();  // every lane is done reading the slot refilled next
-    issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: not copied (never computed)
-    load(cur, c0);
-    gptq::cp_async_wait<NST - 1>();  // this stage's weights, scales and zeros have landed
-    __syncwarp();  // ... including the pieces other lanes copied
-    compute(cur, stage, c0);
-    stage = (stage + 1) % NST;
+  const int row8 = kCanSwap ? __ldg(sorted + blk * BLOCK_M + 8) : 0;
+  if (kCanSwap && (row8 < 0 || row8 >= num_pairs)) {
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) sw[ng][h][r] = 0.f;
+    uint4 xs[KU];
+    int stage = 0;
+    for (int c0 = c_begin; c0 < c_end; c0 += KU) {
+      __syncwarp();
+      issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);
+#pragma unroll
+      for (int u = 0; u < KU; ++u)
+        xs[u] = __ldg(reinterpret_cast<const uint4*>(a_row[0][0] + (kWhole ? u : min(c0 + u, c_end - 1) - c0) * 32));
+      a_row[0][0] += 32 * KU;
+      gptq::cp_async_wait<NST - 1>();
+      __syncwarp();
+      compute_n8(xs, stage, c0);
+      stage = (stage + 1) % NST;
+    }
+    // into acc's layout: acc[0][ng][j][0 / 1] = row g, column 8t + j / 8t + 4 + j; lane 4(2t + q) + g / 2 holds
+    // those columns (q = 0 / 1) in sw[ng][j / 2][2 (j % 2) + g % 2]; rows 8..15 are zero (padding, never stored)
+    const int src0 = 4 * (2 * t) + (g >> 1), src1 = src0 + 4;
+#pragma unroll
+    for (int ng = 0; ng < NG; ++ng)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float e0 = __shfl_sync(0xffffffffu, sw[ng][j >> 1][2 * (j & 1)], src0);
+        const float o0 = __shfl_sync(0xffffffffu, sw[ng][j >> 1][2 * (j & 1) + 1], src0);
+        const float e1 = __shfl_sync(0xffffffffu, sw[ng][j >> 1][2 * (j & 1)], src1);
+        const float o1 = __shfl_sync(0xffffffffu, sw[ng][j >> 1][2 * (j & 1) + 1], src1);
+        acc[0][ng][j][0] = g & 1 ? o0 : e0;
+        acc[0][ng][j][1] = g & 1 ? o1 : e1;
+        acc[0][ng][j][2] = acc[0][ng][j][3] = 0.f;
+      }
+  } else {
+    Stage cur;
+    int stage = 0;
+    for (int c0 = c_begin; c0 < c_end; c0 += KU) {
+      __syncwarp();  // every lane is done reading the slot refilled next
+      issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);  // past the end: not copied (never computed)
+      load(cur, c0);
+      gptq::cp_async_wait<NST - 1>();  // this stage's weights, scales and zeros have landed
+      __syncwarp();  // ... including the pieces other lanes copied
+      compute(cur, stage, c0);
+      stage = (stage + 1) % NST;
+    }
   }
   gptq::cp_async_wait<0>();
 
