@@ -18,6 +18,9 @@ docs/performance.md):
   2026-12-04 17:55 UTC (same-run A/B, 40 decode rows): ring offsets from one base per stage, one slice test per stage
   and clamped columns instead of per-chunk tests cut the loop to 326 instructions per stage (from 387); 0.85-0.95 of
   the time on most rows (DeepSeek-V3 down M = 16 272 -> 236 us, Mixtral-8x7B gate/up M = 1 49.5 -> 45.3).
+  A 16-row block with at most 8 rows (M = 1, few tokens per expert) swaps the mma operands: weights as the m16 side,
+  rows as the n8 side, half the mmas (271 instructions per stage instead of 324); 2026-12-04 18:12 UTC, same-run
+  A/B: Mixtral-8x7B gate/up M = 1 45.0 -> 35.5 us, DeepSeek-V3 gate/up M = 64 1064 -> 859.
 - `moe_gemm` with warps along K (`warps_k` 4, 16 x 32, DECODE_WK): the CTA's 4 warps take 4 K slices of the same
   32 columns and sum them in shared memory in a fixed order. It replaces the 16 x 128 shape where the split estimate
   cuts K 2 or more ways and 4 warp slices are at most one stage longer (WARPS_K_EXTRA_STAGES below): about the same
