@@ -118,7 +118,8 @@ def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper,
     (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
 def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeypatch):
     """The decode kernel's cp.async weight ring at 2 to 8 stages of 1 to 4 K chunks (8-bit: half the depth): long
-    K (the ring wraps), split-K, a partial last stage and column tile, one or several experts."""
+    K (the ring wraps), split-K, a partial last stage and column tile, one or several experts; blocks of at most 8
+    rows (the swapped-operand path) and one of 12 rows (the plain path)."""
     from dataclasses import replace
     rng = np.random.default_rng(bits + 2 * sym + 4 * act_order)
     monkeypatch.setattr(configs, "WARPS_K_EXTRA_STAGES", -1)  # this shape at every split (warps along K: next test)
@@ -126,7 +127,7 @@ def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeyp
         cfg = replace(configs.DECODE, stages=stages, ku=ku)
         monkeypatch.setitem(configs.KERNEL_SHAPES, 16, cfg)
         monkeypatch.setattr(configs, "DECODE", cfg)
-        for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96)):
+        for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96), (1, 12, 1, 1408, 288)):
             run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
                      dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
 
