@@ -341,33 +341,30 @@ __device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u
   }
 }
 
+// One row's activations as mma operand pairs in the dequantizer's k order (4-bit (k0,k4) (k1,k5) | (k2,k6) (k3,k7);
+// 8-bit natural): for k16 half kh of a 32-k chunk, p_kh[0] / p_kh[1] = the pairs at A slots 2t, 2t+1 / 2t+8, 2t+9.
+// x: the row's 8 activations k0+8t .. k0+8t+7 (a 16-byte load). They are the B operand of the swapped decode mmas
+// (weights as the m16 side, rows as the n8 side) and half of the A operand below.
+template <int kBits>
+__device__ __forceinline__ void row_pairs(const uint4& x, u32 (&p0)[2], u32 (&p1)[2]) {
+  if constexpr (kBits == 4) {
+    p0[0] = prmt(x.x, x.z, 0x5410u); p0[1] = prmt(x.x, x.z, 0x7632u);
+    p1[0] = prmt(x.y, x.w, 0x5410u); p1[1] = prmt(x.y, x.w, 0x7632u);
+  } else {
+    p0[0] = x.x; p0[1] = x.y;
+    p1[0] = x.z; p1[1] = x.w;
+  }
+}
+
 // The A operand (16x16 row-major fragment) for the two mmas of one 32-wide k chunk, in the k order above.
 // x, y: the 8 activations k0+8t .. k0+8t+7 of rows g and g+8 (16-byte loads).
 template <int kBits>
 __device__ __forceinline__ void a_operands(const uint4& x, const uint4& y, u32 (&a0)[4], u32 (&a1)[4]) {
-  if constexpr (kBits == 4) {  // pairs (k0,k4), (k1,k5) | (k2,k6), (k3,k7)
-    a0[0] = prmt(x.x, x.z, 0x5410u); a0[1] = prmt(y.x, y.z, 0x5410u);
-    a0[2] = prmt(x.x, x.z, 0x7632u); a0[3] = prmt(y.x, y.z, 0x7632u);
-    a1[0] = prmt(x.y, x.w, 0x5410u); a1[1] = prmt(y.y, y.w, 0x5410u);
-    a1[2] = prmt(x.y, x.w, 0x7632u); a1[3] = prmt(y.y, y.w, 0x7632u);
-  } else {  // pairs (k0,k1), (k2,k3) | (k4,k5), (k6,k7): natural order
-    a0[0] = x.x; a0[1] = y.x; a0[2] = x.y; a0[3] = y.y;
-    a1[0] = x.z; a1[1] = y.z; a1[2] = x.w; a1[3] = y.w;
-  }
-}
-
-// The B operand (16x8, col) of the swapped decode mmas (weights as the m16 side, rows as the n8 side): for k16 half
-// kh of a 32-k chunk, b_kh[0] / b_kh[1] = row g's activations at the k of A slots 2t, 2t+1 / 2t+8, 2t+9, in the
-// dequantizer's pair order (4-bit (k0,k4) (k1,k5) | (k2,k6) (k3,k7); 8-bit natural). x: k0+8t .. k0+8t+7 of row g.
-template <int kBits>
-__device__ __forceinline__ void b_operands_n8(const uint4& x, u32 (&b0)[2], u32 (&b1)[2]) {
-  if constexpr (kBits == 4) {
-    b0[0] = prmt(x.x, x.z, 0x5410u); b0[1] = prmt(x.x, x.z, 0x7632u);
-    b1[0] = prmt(x.y, x.w, 0x5410u); b1[1] = prmt(x.y, x.w, 0x7632u);
-  } else {
-    b0[0] = x.x; b0[1] = x.y;
-    b1[0] = x.z; b1[1] = x.w;
-  }
+  u32 x0[2], x1[2], y0[2], y1[2];
+  row_pairs<kBits>(x, x0, x1);
+  row_pairs<kBits>(y, y0, y1);
+  a0[0] = x0[0]; a0[1] = y0[0]; a0[2] = x0[1]; a0[3] = y0[1];
+  a1[0] = x1[0]; a1[1] = y1[0]; a1[2] = x1[1]; a1[3] = y1[1];
 }
 
 }  // namespace gptq

@@ -392,7 +392,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     for (int u = 0; u < KU; ++u) {
       if (!kWhole && c0 + u >= c_end) break;
       u32 b[2][2];  // [k16 half][register]: row g's activations in the dequantizer's k order
-      gptq::b_operands_n8<kBits>(xs[u], b[0], b[1]);
+      gptq::row_pairs<kBits>(xs[u], b[0], b[1]);
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
         if constexpr (GM == 0) unpack(gst, u, ng, gcs[ng]);
