@@ -118,8 +118,7 @@ def write_defaults(c16, c32, c64, c128, rows64):
                f"ku={cfg.ku}, stages={cfg.stages}{kind})")
         src, n = re.subn(rf"^{name} = GemmConfig\([^)]*\)", new, src, flags=re.M)
         assert n == 1, name
-    src, n = re.subn(r"^ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = (\d+), (\d+), \d+",
-                     rf"ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = \g<1>, \g<2>, {rows64}", src,
+    src, n = re.subn(r"^ROWS_16_MAX, ROWS_64_MAX = (\d+), \d+", rf"ROWS_16_MAX, ROWS_64_MAX = \g<1>, {rows64}", src,
                      flags=re.M)
     assert n == 1
     path.write_text(src)

@@ -256,9 +256,8 @@ WARPS_K_EXTRA_STAGES = 1  # negative: never
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
 _PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
-# heuristic block_m: rows per touched expert <= 24 -> 16, <= 56 -> 64, else 128 (module docstring); ROWS_32_MAX <=
-# ROWS_16_MAX: the heuristic picks no 32-row block (a benchmark may raise it to compare)
-ROWS_16_MAX, ROWS_32_MAX, ROWS_64_MAX = 24, 24, 56
+# heuristic block_m: rows per touched expert <= 24 -> 16, <= 56 -> 64, else 128 (module docstring; no 32-row block)
+ROWS_16_MAX, ROWS_64_MAX = 24, 56
 
 
 def hopper_enabled(arch: str) -> bool:
@@ -321,7 +320,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
         return _split_warps(replace(shape(tuned["block_m"]), split_k=tuned["split_k"]), k)
     if block_m is None:
-        block_m = (16 if rows <= ROWS_16_MAX else 32 if rows <= ROWS_32_MAX else 64 if rows <= ROWS_64_MAX else 128)
+        block_m = 16 if rows <= ROWS_16_MAX else 64 if rows <= ROWS_64_MAX else 128
     elif block_m not in KERNEL_SHAPES:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
     base = shape(block_m)
