@@ -17,6 +17,7 @@ MAX_PAIRS = 1 << 26       # pair ids and positions stay far inside int32 (C <= P
 MAX_BLOCK_SIZE = 1024
 _FUSED_MAX_PAIRS = 8192   # up to here one CTA does everything in one launch (decode)
 _FUSED_SMEM_INTS = 11 * 1024  # <= 44 KiB: warp-private counters of the fused kernel stay under the 48 KiB default
+_FUSED_MIN_WARPS = 8      # the fused kernel's per-expert work is spread over at least this many warps
 _CHUNKS_MAX = 1024        # the scan kernel walks the chunks serially: keep them few
 _WARPS_PER_CTA = 8
 
@@ -81,10 +82,12 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
     idt = "int" if ids.dtype == np.int32 else "long long"
     i32 = np.int32
     if p <= _FUSED_MAX_PAIRS:
-        warps = max(1, min(32, (_FUSED_SMEM_INTS - 2 * (e + 1) - 32) // e, -(-p // 32)))
-        smem = 4 * (warps * e + 2 * (e + 1) + 32)
-        _compile.launch(_compile.get_kernel(_FILE, f"moe_align_fused<{idt}>"), (1,), (32 * warps,),
-                        (ids, i32(p), i32(e), i32(b), i32(capacity), sorted_ids, expert_ids, post_padded), smem)
+        walkers = max(1, min(32, (_FUSED_SMEM_INTS - 2 * (e + 1) - 32) // e, -(-p // 32)))
+        smem = 4 * (walkers * e + 2 * (e + 1) + 32)
+        _compile.launch(_compile.get_kernel(_FILE, f"moe_align_fused<{idt}>"), (1,),
+                        (32 * max(walkers, _FUSED_MIN_WARPS),),
+                        (ids, i32(p), i32(e), i32(b), i32(capacity), sorted_ids, expert_ids, post_padded,
+                         i32(walkers)), smem)
         return sorted_ids, expert_ids, post_padded
     num_chunks = min(_CHUNKS_MAX, -(-p // 1024))
     chunk = -(-p // num_chunks)

@@ -118,14 +118,16 @@ __device__ void write_layout(const int* total_e, const int* start_e, int num_exp
 
 }  // namespace
 
-// Single CTA of W warps (blockDim = 32*W). Dynamic shared memory: (W*E + 2*(E+1) + 32) ints.
+// Single CTA. The first W warps (walkers) walk one chunk of pairs each; every thread of the CTA (blockDim >= 32*W)
+// shares the per-expert work (counter sums, scan, layout), so that a small P with many experts does not leave it to
+// one warp. Dynamic shared memory: (W*E + 2*(E+1) + 32) ints.
 template <typename IdT>
 __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs, int num_experts, int block_size,
                                 int capacity, int* __restrict__ sorted, int* __restrict__ expert_ids,
-                                int* __restrict__ post_padded) {
+                                int* __restrict__ post_padded, int nwarps) {
   pdl::enter();
   extern __shared__ int smem[];
-  const int nwarps = blockDim.x >> 5, warp = threadIdx.x >> 5, tid = threadIdx.x;
+  const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   int* cnt = smem;                                 // [W, E] warp-private counters
   int* total_e = cnt + nwarps * num_experts;       // [E + 1]
   int* start_e = total_e + (num_experts + 1);      // [E + 1]
@@ -135,7 +137,7 @@ __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs,
 
   const int chunk = (num_pairs + nwarps - 1) / nwarps;
   const int begin = min(num_pairs, warp * chunk), end = min(num_pairs, begin + chunk);
-  warp_walk<IdT, false>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
+  if (warp < nwarps) warp_walk<IdT, false>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
   __syncthreads();
 
   for (int e = tid; e < num_experts; e += blockDim.x) {  // chunk offsets inside each expert, in chunk order
@@ -154,7 +156,7 @@ __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs,
   write_layout(total_e, start_e, num_experts, block_size, capacity, num_pairs, sorted, expert_ids, post_padded);
   for (int i = tid; i < nwarps * num_experts; i += blockDim.x) cnt[i] += start_e[i % num_experts];
   __syncthreads();
-  warp_walk<IdT, true>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
+  if (warp < nwarps) warp_walk<IdT, true>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
 }
 
 // Many CTAs of 8 warps; chunk c = blockIdx.x*8 + warp covers pairs [c*chunk, (c+1)*chunk).
