@@ -56,13 +56,16 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
         `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 32, 64 or 128;
         `configs.choose_config(...).block_m` says which to use). Never read on the host.
+        One pair per block instead: sorted_token_ids and num_tokens_post_padded None, expert_ids the pairs' expert
+        ids themselves, int32 [P] or [M, top_k] (topk_ids). Every pair gets a 16-row block of its own, so no align
+        launch is needed; the fast path for M = 1, wasteful when many pairs share an expert.
     top_k: pairs per row of a (A for gate/up, 1 for down); P = M * top_k.
     topk_weights: float32 [M, top_k] or [P], or None: multiplies each row in fp32 before the single rounding.
     out: [P, N] of a's dtype to write into, or None (new, zero-filled). Rows of pairs absent from the list stay
         untouched.
     Returns out [P, N].
-    Expert ids of the aligned list must be in [-1, E) (from the align of the same E); this is not checked on the
-    device.
+    A block whose expert id is outside [0, E) is skipped: its rows stay untouched (ids are not checked on the host,
+    which would need a synchronization).
     """
     if not is_device_array(a):
         from . import reference
@@ -123,12 +126,24 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
               ValueError)
     top_k = int(top_k)
     p = m * top_k
-    sorted_ids = _check_dev_array(cp, "sorted_token_ids", sorted_token_ids, np.int32, 1, "[C]")
-    blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, 1, "[C/B]")
-    post = _check_dev_array(cp, "num_tokens_post_padded", num_tokens_post_padded, np.int32, 1, "[1]")
-    if post.shape != (1,):
-        _fail("num_tokens_post_padded", "shape (1,)", post.shape)
-    capacity = sorted_ids.size
+    one_pair = sorted_token_ids is None and num_tokens_post_padded is None
+    if one_pair:  # expert_ids is topk_ids: one 16-row block per pair
+        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, getattr(expert_ids, "ndim", 1),
+                                  "[P] or [M, top_k] (one pair per block)")
+        if blocks.size != p:
+            _fail("expert_ids", f"M*top_k = {p} expert ids (one pair per block)", f"shape {blocks.shape}")
+        sorted_ids = post = None
+        capacity = 16 * p
+    else:
+        if sorted_token_ids is None or num_tokens_post_padded is None:
+            _fail("sorted_token_ids, num_tokens_post_padded", "both arrays, or both None (one pair per block)",
+                  f"{type(sorted_token_ids).__name__}, {type(num_tokens_post_padded).__name__}", TypeError)
+        sorted_ids = _check_dev_array(cp, "sorted_token_ids", sorted_token_ids, np.int32, 1, "[C]")
+        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, 1, "[C/B]")
+        post = _check_dev_array(cp, "num_tokens_post_padded", num_tokens_post_padded, np.int32, 1, "[1]")
+        if post.shape != (1,):
+            _fail("num_tokens_post_padded", "shape (1,)", post.shape)
+        capacity = sorted_ids.size
     if blocks.size == 0:
         if capacity:
             _fail("expert_ids", f"a block per B entries of sorted_token_ids ({capacity})", "no blocks")
@@ -163,6 +178,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper,
                                 act_order=g_idx is not None)
     cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k)
+    if one_pair and cfg.kind != "reg":
+        raise RuntimeError(f"one pair per block runs the 16-row decode kernel; the configuration is {cfg}")
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
     wk = cfg.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all
@@ -184,7 +201,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     null = np.uintp(0)  # a null pointer argument
     opt = lambda x: null if x is None else x
     _compile.launch(kern, (blocks.size, n_tiles, split), (cfg.threads,),
-                    (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), sorted_ids, blocks, post, out,
-                     opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k), i32(p),
-                     i32(capacity), i32(split), i32(cps)), smem)
+                    (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), opt(sorted_ids), blocks, opt(post),
+                     out, opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k),
+                     i32(p), i32(capacity), i32(split), i32(cps), i32(e)), smem)
     return out

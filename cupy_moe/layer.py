@@ -5,7 +5,8 @@ Legend: M tokens, H hidden size, I expert intermediate size, E experts, A top-k,
 NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
 
     router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32
-    topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only)
+    topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only;
+                                       skipped at M = 1 with int32 ids: the GEMMs take one pair per block)
     hidden [M, H] --fused_moe_gemm(w13, top_k=A)--> x1 [P, 2I]        one launch
     x1 --silu_and_mul--> act [P, I]                                   one launch
     act --fused_moe_gemm(w2, top_k=1, topk_weights)--> x2 [P, H]      one launch, routing weights fused
@@ -152,8 +153,13 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
                          f"got {type(out).__name__} {getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
     if m == 0:
         return out
-    block_m = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size).block_m
-    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, e)
+    if m == 1 and topk_ids.dtype == np.int32:
+        # one token: its experts are distinct, so the aligned list would hold one pair per 16-row block anyway. The
+        # GEMMs take topk_ids as they are (one pair per block; repeated ids work too) and the align launch is saved.
+        sorted_ids, expert_ids, num_post = None, cp.ascontiguousarray(topk_ids), None
+    else:
+        block_m = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size).block_m
+        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, e)
     # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
     x1 = fused_moe_gemm(hidden_states, w13, sorted_ids, expert_ids, num_post, a, out=cp.empty((p, 2 * i), dtype))
     act = cp.empty((p, i), dtype)

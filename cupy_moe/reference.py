@@ -419,7 +419,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     weight: StackedGptqWeight on the host (qweight [E, K*bits/32, N], scales [E, ceil(K/G), N],
             qzeros [E, ceil(K/G), N*bits/32] real zeros or None, g_idx [E, K] or None, bits, group_size).
     sorted_token_ids: int [C], expert_ids: int [C/B], num_tokens_post_padded: int [1] from moe_align_block_size;
-            B = C / (C/B).
+            B = C / (C/B). Or one pair per block: sorted_token_ids and num_tokens_post_padded None, expert_ids the
+            pairs' expert ids [P] or [M, A] (topk_ids).
     top_k: A; pair p reads row a[p // A] (for the down phase a is already one row per pair: top_k = 1).
     topk_weights: float [M, A] (any shape of P elements) or None; multiplies row p by topk_weights.flat[p].
     out: optional [M*A, N] array of a's dtype to write into.
@@ -434,6 +435,13 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     if a.shape[1] != k:
         raise ValueError(f"a: expected K = {k} columns to match weight, got shape {a.shape}")
     p_total = m * top_k
+    if sorted_token_ids is None and num_tokens_post_padded is None:  # one pair per block: the layout that says so
+        _check_int_array("expert_ids", expert_ids, np.ndim(expert_ids), "[P] or [M, A] (one pair per block)")
+        if expert_ids.size != p_total:
+            raise ValueError(f"expert_ids: expected M*A = {p_total} expert ids (one pair per block), "
+                             f"got shape {expert_ids.shape}")
+        sorted_token_ids, expert_ids = np.arange(p_total), expert_ids.reshape(-1)
+        num_tokens_post_padded = np.array([p_total])
     _check_int_array("sorted_token_ids", sorted_token_ids, 1, "[C]")
     _check_int_array("expert_ids", expert_ids, 1, "[C/B]")
     _check_int_array("num_tokens_post_padded", num_tokens_post_padded, 1, "[1]")

@@ -4,6 +4,9 @@
 // Shapes: a [M, K] fp16/bf16; qweight [E, K*bits/32, N] int32 (packed along K); scales [E, ceil(K/G), N] fp16;
 // qzeros [E, ceil(K/G), N*bits/32] int32 real zeros or null (symmetric: zero = 2^(bits-1)); g_idx [E, K] or null;
 // sorted [C] pair ids (sentinel P), expert_ids [C/B_M], post_padded [1]; out [P, N] in a's dtype.
+// Blocks whose expert id is outside [0, E) are skipped (num_experts = E), so a bad id never reads past the weights.
+// One pair per block (moe_gemm only; sorted and post_padded null): block b holds pair b alone and expert_ids is the
+// pairs' expert ids [P] (topk_ids itself), C = P * B_M; at M = 1 this saves the align launch.
 //
 // Tiling: CTA = BLOCK_M (= the align block size) rows of one expert x BLOCK_N columns x one K slice (split-K).
 // Warp = MT m16 tiles x NG groups of 32 columns. Grid = (C/BLOCK_M blocks, N/BLOCK_N, split_k): blockIdx.x is
@@ -65,7 +68,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
          float* __restrict__ partials,                // [S, C, N] when split_k > 1
          int* __restrict__ tickets,                   // [C / BLOCK_M, N / BLOCK_N] zeros when split_k > 1
          int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
-         int split_k, int chunks_per_split) {
+         int split_k, int chunks_per_split, int num_experts) {
   constexpr int BLOCK_M = WM * MT * 16;
   constexpr int BLOCK_N = WN * NG * 32;
   constexpr int WPR = kBits / 4;  // qweight words per lane per column per 32-k chunk
@@ -80,9 +83,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // and the epilogue need, are loaded after the first weight stages are issued.
   const int blk = blockIdx.x;
   pdl::enter();  // before the first global access (pdl.cuh)
-  const int padded = __ldg(post_padded);
+  const bool one_pair = post_padded == nullptr;  // one pair per block (header)
+  const int padded = one_pair ? capacity : __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);
-  if (blk * BLOCK_M >= padded || expert < 0) return;  // past the padded total, or a padding block
+  if (blk * BLOCK_M >= padded || expert < 0 || expert >= num_experts) return;  // past the total, or a padding block
+  // the pair id in a slot of the aligned list (the sentinel num_pairs in padding)
+  auto pair_at = [&](int slot) {
+    return !one_pair ? __ldg(sorted + slot) : slot % BLOCK_M == 0 ? slot / BLOCK_M : num_pairs;
+  };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wmn = WK == 1 ? warp : warp % (WM * WN), wk = WK == 1 ? 0 : warp / (WM * WN);  // (WK 1: no runtime work)
@@ -365,7 +373,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int slot = blk * BLOCK_M + (wm * MT + mt) * 16 + g + 8 * h;
-      const int p = __ldg(sorted + slot);
+      const int p = pair_at(slot);
       const bool valid = p >= 0 && p < num_pairs;  // padding rows hold the sentinel P
       pair_of[mt][h] = valid ? p : -1;
       a_row[mt][h] = a + static_cast<long long>(valid ? p / top_k : 0) * K + 32 * c_begin + 8 * t;
@@ -438,7 +446,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   };
 
   // Activations are loaded at the top of their own stage (mostly L1 hits: the CTA's warps share them).
-  const int row8 = kCanSwap ? __ldg(sorted + blk * BLOCK_M + 8) : 0;
+  const int row8 = kCanSwap ? pair_at(blk * BLOCK_M + 8) : 0;
   if (kCanSwap && (row8 < 0 || row8 >= num_pairs)) {
 #pragma unroll
     for (int ng = 0; ng < NG; ++ng)
@@ -653,7 +661,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             float* __restrict__ partials,                // [S, C, N] when split_k > 1
             int* __restrict__ tickets,                   // [C / BM, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
-            int split_k, int chunks_per_split) {
+            int split_k, int chunks_per_split, int num_experts) {
   using L = TcSmem<BM, BN, kBits, NS, KT, kWg>;
   constexpr int THREADS = 256;
   // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128: 64 x BN each) or columns
@@ -674,7 +682,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   pdl::enter();  // before the first global access (pdl.cuh)
   const int padded = __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);  // loaded together with the padded total (see moe_gemm)
-  if (blk * BM >= padded || expert < 0) return;
+  if (blk * BM >= padded || expert < 0 || expert >= num_experts) return;
   require_dyn_smem(L::kTotal);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1081,7 +1089,7 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
             float* __restrict__ partials,                // [S, C, N] when split_k > 1
             int* __restrict__ tickets,                   // [C / T, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
-            int split_k, int chunks_per_split) {
+            int split_k, int chunks_per_split, int num_experts) {
   constexpr int BN = 128 * MW, THREADS = 256, NJ = T / 8, NC = 2 * MW;
   using L = WsSmem<T, BN, kBits, NS, KT>;
   static_assert(T == 16 || T == 32 || T == 64 || T == 128, "T");
@@ -1095,7 +1103,7 @@ moe_gemm_ws(const unsigned short* __restrict__ a,        // [M, K]
   pdl::enter();  // before the first global access (pdl.cuh)
   const int padded = __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);
-  if (blk * T >= padded || expert < 0) return;
+  if (blk * T >= padded || expert < 0 || expert >= num_experts) return;
   require_dyn_smem(L::kTotal);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

@@ -247,6 +247,49 @@ def test_graph_capture_align_and_gemm():
     assert cp.array_equal(eager.view(cp.uint16), captured.view(cp.uint16))
 
 
+@pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
+    (4, False, False, "float16", 128), (4, True, True, "bfloat16", 64), (8, False, False, "float16", -1)])
+def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
+    """sorted_token_ids and num_tokens_post_padded None (M = 1 without the align): bitwise the aligned call, for the
+    gate/up form (one row, top_k A) and the down form (a row per pair, routing weights), with repeated ids. An id
+    outside [0, E) leaves its row untouched, in this layout and in an aligned list."""
+    rng = np.random.default_rng(9)
+    e, k, n, a = 16, 1024, 256, 4
+    dt = _dtype(dtype_name)
+    w_host = make_weight(rng, e, k, n, bits, gs, sym, act_order)
+    w = w_host.to_device()
+    for ids_list in ([[3, 9, 0, 15]], [[5, 5, 2, 5]]):
+        ids = cp.asarray(np.array(ids_list, np.int32))
+        aligned = moe_align_block_size(ids, 16, e)
+        tw = cp.asarray(rng.uniform(0.1, 1.0, size=(1, a)).astype(np.float32))
+        for rows, top_k, weights in ((1, a, None), (a, 1, tw)):
+            x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float32).astype(dt))
+            want = fused_moe_gemm(x, w, *aligned, top_k, weights)
+            got = fused_moe_gemm(x, w, None, ids, None, top_k, weights)
+            assert cp.array_equal(want.view(cp.uint16), got.view(cp.uint16))
+            ref = reference.fused_moe_gemm(cp.asnumpy(x).astype(np.float32), w_host, None, cp.asnumpy(ids), None,
+                                           top_k, None if weights is None else cp.asnumpy(weights))
+            err = np.linalg.norm(cp.asnumpy(got).astype(np.float64) - ref) / np.linalg.norm(ref)
+            assert err <= REL_L2[dtype_name]
+    x = cp.asarray(rng.standard_normal((1, k)).astype(np.float32).astype(dt))
+    ids = cp.asarray(np.array([[2, -1, e, 7]], np.int32))
+    good = fused_moe_gemm(x, w, None, cp.asarray(np.array([[2, 2, 7, 7]], np.int32)), None, a)
+    out = cp.asarray(np.full((a, n), np.nan, dtype=dt))
+    fused_moe_gemm(x, w, None, ids, None, a, out=out)
+    s, eids, post = moe_align_block_size(cp.asarray(np.array([[2, 3, 4, 7]], np.int32)), 16, e)
+    eids[1:3] = cp.asarray(np.array([e, 1 << 30], np.int32))  # experts 3 and 4 -> ids past E
+    out2 = cp.asarray(np.full((a, n), np.nan, dtype=dt))
+    fused_moe_gemm(x, w, s, eids, post, a, out=out2)
+    for o in (out, out2):
+        o = cp.asnumpy(o).astype(np.float32)
+        assert np.isnan(o[1:3]).all()
+        np.testing.assert_array_equal(o[[0, 3]], cp.asnumpy(good[[0, 3]]).astype(np.float32))
+    with pytest.raises(ValueError, match=r"expert_ids: expected M\*top_k = 4 expert ids \(one pair per block\)"):
+        fused_moe_gemm(x, w, None, ids[:, :3].copy(), None, a)
+    with pytest.raises(TypeError, match="both arrays, or both None"):
+        fused_moe_gemm(x, w, s, eids, None, a)
+
+
 def test_numpy_inputs_run_reference():
     rng = np.random.default_rng(3)
     w = make_weight(rng, 2, 64, 32, 4, 32, True, False)

@@ -80,6 +80,26 @@ def test_fused_moe_gpu_matches_reference(tmp_path, dtype, m):
     assert rel_l2(got, want.astype(np.float32)) <= REL_L2[dtype]
 
 
+def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
+    """M = 1 with int32 ids: the GEMMs take one pair per block and no align runs; bitwise the aligned path (int64
+    ids still align), for distinct and for repeated ids."""
+    import cupy_moe.layer as layer_mod
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    x = cp.asarray(np.random.default_rng(3).standard_normal((1, H)).astype(np.float16))
+    weights = cp.asarray(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32))
+    for ids in ([[6, 1, 3, 0]], [[2, 2, 5, 2]]):
+        aligned = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, np.int64)))
+        calls = []
+        monkeypatch.setattr(layer_mod, "moe_align_block_size", lambda *args: calls.append(args))
+        direct = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, np.int32)))
+        monkeypatch.undo()
+        assert calls == []
+        cp.testing.assert_array_equal(direct, aligned)
+
+
 @pytest.mark.parametrize("logits_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("e,a", [(8, 2), (60, 4), (256, 8), (1024, 32), (5, 5)])
 @pytest.mark.parametrize("renormalize", [False, True])

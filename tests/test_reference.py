@@ -490,6 +490,21 @@ def test_fused_moe_gemm_out_rows_never_produced_stay_untouched():
     assert np.all(fresh == 0)
 
 
+def test_fused_moe_gemm_one_pair_per_block_is_the_aligned_result():
+    rng = np.random.default_rng(8)
+    e, k, n, m, a_k = 4, 48, 16, 3, 2
+    weight, _ = make_stacked(rng, k, n, e, 4, group_size=16, sym=False, act_order=False)
+    ids = np.array([[2, 0], [2, 2], [3, 1]], np.int32)  # a repeated expert, and a repeated id in one token
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    topk_weights = rng.uniform(size=(m, a_k)).astype(np.float32)
+    want = ref.fused_moe_gemm(a, weight, *ref.moe_align_block_size(ids, 4, e), a_k, topk_weights)
+    for layout in (ids, ids.reshape(-1)):
+        np.testing.assert_array_equal(ref.fused_moe_gemm(a, weight, None, layout, None, a_k, topk_weights), want)
+    with pytest.raises(ValueError, match=r"expert_ids: expected M\*A = 6 expert ids \(one pair per block\), got "
+                                         r"shape \(5,\)"):
+        ref.fused_moe_gemm(a, weight, None, ids.reshape(-1)[:5], None, a_k)
+
+
 def test_fused_moe_gemm_takes_any_weight_like_object_and_empty_input():
     weight, dense = make_stacked(np.random.default_rng(5), 32, 32, 2, 3, group_size=-1, sym=False)
     duck = SimpleNamespace(qweight=weight.qweight, scales=weight.scales, qzeros=weight.qzeros,
