@@ -7,6 +7,8 @@ Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activa
   + outputs written (P*N*2), over the device-to-device copy bandwidth measured here (bytes read + written);
 - FLOP floor: 2*P*K*N over the cupy.matmul fp16 8192^3 rate measured here;
 - baseline: per touched expert, dequantize to fp16 (one elementwise kernel) + cupy.matmul on its rows.
+M = 1 rows take the routing as `fused_moe` passes it at M = 1: one pair per block, topk_ids as the expert ids, no
+aligned list. Other rows take the aligned list of moe_align_block_size (made before timing).
 Timing: CUDA events around replays of a CUDA graph that holds one call per input set, after warm-up; the median
 replay over the number of calls. The sets rotate among several routings (and weight copies when the weights
 would fit in L2), so L2 does not flatter small problems. The baseline is timed eagerly (events per call).
@@ -117,7 +119,10 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16):
         else:
             ids_rows = ids
         x = cp.asarray(rng.standard_normal((rows, k)).astype(dtype))
-        s, eid, post = moe_align_block_size(cp.asarray(ids_rows), cfg.block_m, e)
+        if m == 1:  # fused_moe's M = 1 path: one pair per block
+            s, eid, post = None, cp.asarray(ids_rows), None
+        else:
+            s, eid, post = moe_align_block_size(cp.asarray(ids_rows), cfg.block_m, e)
         out = cp.empty((p, n), dtype)
         sets.append((x, s, eid, post, out, ids_rows, len(np.unique(ids))))
     cp.cuda.Device().synchronize()
