@@ -214,3 +214,29 @@ def test_benchmark_tile_specs_round_trip():
         bench_gemm.parse_tiles("16=fast:1,1,4,1,4,2")
     with pytest.raises(ValueError, match="block_m 16, not 64"):
         bench_gemm.parse_tiles("64=1,1,4,1,4,2")
+
+
+def test_benchmark_verdicts():
+    """bench_gemm.py's pass rule per bar: the issue-6 rows between the regimes compare against the faster regime."""
+    import sys
+    from pathlib import Path
+    pytest.importorskip("cupy")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_gemm
+
+    def row(m, time_us, **kw):
+        return dict(dict(m=m, time_us=time_us, baseline_ratio=2.0, floor_ratio=0.5, flop_ratio=0.5,
+                         traffic_floor_us=20.0, regime_us={}), **kw)
+
+    assert bench_gemm.verdict(row(1, 50.0), "issue3")
+    assert not bench_gemm.verdict(row(1, 50.0, floor_ratio=0.39), "issue3")
+    assert not bench_gemm.verdict(row(1, 24.0), "issue6") and bench_gemm.verdict(row(1, 23.5), "issue6")
+    assert bench_gemm.verdict(row(1, 6.0, traffic_floor_us=2.5), "issue6")  # under 10 us: floor + 4 us
+    assert not bench_gemm.verdict(row(1, 6.6, traffic_floor_us=2.5), "issue6")
+    assert not bench_gemm.verdict(row(1024, 1.0), "issue6") and bench_gemm.verdict(row(1024, 1.0, flop_ratio=0.7),
+                                                                                   "issue6")
+    between = dict(regime_us={"16": 100.0, "128": 120.0})
+    assert bench_gemm.verdict(row(256, 102.9, **between), "issue6")
+    assert not bench_gemm.verdict(row(256, 103.1, **between), "issue6")
+    assert not bench_gemm.verdict(row(256, 50.0, baseline_ratio=0.9, **between), "issue6")
+    assert bench_gemm.verdict(row(256, 500.0, **between), "issue3")  # issue 3 has no rule between the regimes
