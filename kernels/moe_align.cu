@@ -124,25 +124,25 @@ __device__ void write_layout(const int* total_e, const int* start_e, int num_exp
 template <typename IdT>
 __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs, int num_experts, int block_size,
                                 int capacity, int* __restrict__ sorted, int* __restrict__ expert_ids,
-                                int* __restrict__ post_padded, int nwarps) {
+                                int* __restrict__ post_padded, int walkers) {
   pdl::enter();
   extern __shared__ int smem[];
   const int warp = threadIdx.x >> 5, tid = threadIdx.x;
   int* cnt = smem;                                 // [W, E] warp-private counters
-  int* total_e = cnt + nwarps * num_experts;       // [E + 1]
+  int* total_e = cnt + walkers * num_experts;      // [E + 1]
   int* start_e = total_e + (num_experts + 1);      // [E + 1]
   int* warp_sums = start_e + (num_experts + 1);    // [32]
-  for (int i = tid; i < nwarps * num_experts; i += blockDim.x) cnt[i] = 0;
+  for (int i = tid; i < walkers * num_experts; i += blockDim.x) cnt[i] = 0;
   __syncthreads();
 
-  const int chunk = (num_pairs + nwarps - 1) / nwarps;
+  const int chunk = (num_pairs + walkers - 1) / walkers;
   const int begin = min(num_pairs, warp * chunk), end = min(num_pairs, begin + chunk);
-  if (warp < nwarps) warp_walk<IdT, false>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
+  if (warp < walkers) warp_walk<IdT, false>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
   __syncthreads();
 
   for (int e = tid; e < num_experts; e += blockDim.x) {  // chunk offsets inside each expert, in chunk order
     int run = 0;
-    for (int w = 0; w < nwarps; ++w) {
+    for (int w = 0; w < walkers; ++w) {
       const int c = cnt[w * num_experts + e];
       cnt[w * num_experts + e] = run;
       run += c;
@@ -154,9 +154,9 @@ __global__ void moe_align_fused(const IdT* __restrict__ topk_ids, int num_pairs,
   __syncthreads();
   block_exclusive_scan(start_e, num_experts + 1, warp_sums);
   write_layout(total_e, start_e, num_experts, block_size, capacity, num_pairs, sorted, expert_ids, post_padded);
-  for (int i = tid; i < nwarps * num_experts; i += blockDim.x) cnt[i] += start_e[i % num_experts];
+  for (int i = tid; i < walkers * num_experts; i += blockDim.x) cnt[i] += start_e[i % num_experts];
   __syncthreads();
-  if (warp < nwarps) warp_walk<IdT, true>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
+  if (warp < walkers) warp_walk<IdT, true>(topk_ids, begin, end, num_experts, cnt + warp * num_experts, sorted);
 }
 
 // Many CTAs of 8 warps; chunk c = blockIdx.x*8 + warp covers pairs [c*chunk, (c+1)*chunk).
