@@ -178,8 +178,6 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper,
                                 act_order=g_idx is not None)
     cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k)
-    if one_pair and cfg.kind != "reg":
-        raise RuntimeError(f"one pair per block runs the 16-row decode kernel; the configuration is {cfg}")
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
     wk = cfg.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all

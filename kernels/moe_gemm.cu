@@ -227,10 +227,12 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   };
   // Activation loads are unconditional: padding rows read row 0 of a (their sums are never stored), and chunks
   // past the slice end (not computed; only without kWhole) read the slice's last chunk.
+  // k of chunk u of the stage at c0, from the stage's start (a chunk past the slice end: the slice's last one)
+  auto chunk_k = [&](int c0, int u) { return (kWhole ? u : min(c0 + u, c_end - 1) - c0) * 32; };
   auto load = [&](Stage& st, int c0) {
 #pragma unroll
     for (int u = 0; u < KU; ++u) {
-      const int k0 = (kWhole ? u : min(c0 + u, c_end - 1) - c0) * 32;
+      const int k0 = chunk_k(c0, u);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -461,7 +463,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
       issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);
 #pragma unroll
       for (int u = 0; u < KU; ++u)
-        xs[u] = __ldg(reinterpret_cast<const uint4*>(a_row[0][0] + (kWhole ? u : min(c0 + u, c_end - 1) - c0) * 32));
+        xs[u] = __ldg(reinterpret_cast<const uint4*>(a_row[0][0] + chunk_k(c0, u)));
       a_row[0][0] += 32 * KU;
       gptq::cp_async_wait<NST - 1>();
       __syncwarp();
