@@ -253,7 +253,7 @@ def set_probe(bits):
 
 
 def verdict(row, bar):
-    ok = row["baseline_ratio"] > 1.0
+    ok = not row["baseline_ratio"] <= 1.0  # NaN (--no-baseline): that part of the bar is not judged
     if bar == "issue3":
         if row["m"] <= 64:
             ok &= row["floor_ratio"] >= 0.40

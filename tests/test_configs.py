@@ -240,3 +240,5 @@ def test_benchmark_verdicts():
     assert not bench_gemm.verdict(row(256, 103.1, **between), "issue6")
     assert not bench_gemm.verdict(row(256, 50.0, baseline_ratio=0.9, **between), "issue6")
     assert bench_gemm.verdict(row(256, 500.0, **between), "issue3")  # issue 3 has no rule between the regimes
+    assert bench_gemm.verdict(row(1, 50.0, baseline_ratio=float("nan")), "issue3")  # --no-baseline: not judged
+    assert not bench_gemm.verdict(row(1, 50.0, baseline_ratio=float("nan"), floor_ratio=0.3), "issue3")
