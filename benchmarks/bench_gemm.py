@@ -8,7 +8,9 @@ Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activa
 - FLOP floor: 2*P*K*N over the cupy.matmul fp16 8192^3 rate measured here;
 - baseline: per touched expert, dequantize to fp16 (one elementwise kernel) + cupy.matmul on its rows.
 M = 1 rows take the routing as `fused_moe` passes it at M = 1: one pair per block, topk_ids as the expert ids, no
-aligned list. Other rows take the aligned list of moe_align_block_size (made before timing).
+aligned list. Other rows take the aligned list of moe_align_block_size (made before timing). Down rows on 16-row blocks
+take their activations in pair order (`a_pair_order`), as fused_moe's silu-and-mul writes them there
+(configs.down_pair_order; --natural-down: in natural order, for an A/B).
 Timing: CUDA events around replays of a CUDA graph that holds one call per input set, after warm-up; the median
 replay over the number of calls. The sets rotate among several routings (and weight copies when the weights
 would fit in L2), so L2 does not flatter small problems. The baseline is timed eagerly (events per call).
@@ -109,6 +111,9 @@ def phase_shape(model, phase, m):
     return k, n, top_k, rows, k * n // 2 + (k // G) * n * 2 + (k // G) * (n // 8) * 4
 
 
+NATURAL_DOWN = False  # --natural-down
+
+
 def prepare_row(model, phase, m, rotations=8, dtype=np.float16, block_m=None, weights=None):
     """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2), the
     activations and outputs in `dtype` (np.float16 or ml_dtypes.bfloat16). Returns a namespace with the shapes,
@@ -138,9 +143,12 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, block_m=None, we
         sets.append((x, s, eid, post, out, ids_rows, len(np.unique(ids))))
     cp.cuda.Device().synchronize()
 
+    # the layout fused_moe's silu-and-mul gives this block size (the values are random either way)
+    pair = phase == "down" and configs.down_pair_order(BITS, cfg.block_m) and not NATURAL_DOWN
+
     def call(i):
         x, s, eid, post, out, _, _ = sets[i % rotations]
-        fused_moe_gemm(x, weights[i % copies], s, eid, post, top_k, out=out)
+        fused_moe_gemm(x, weights[i % copies], s, eid, post, top_k, out=out, a_pair_order=pair)
 
     return SimpleNamespace(k=k, n=n, top_k=top_k, rows=rows, p=p, cfg=cfg, weights=weights, copies=copies,
                            sets=sets, w_bytes_expert=w_bytes_expert, call=call)
@@ -289,10 +297,14 @@ def main(argv=None):
                     help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
                          "for the split-K estimate, e.g. '32=2'")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
+    ap.add_argument("--natural-down", action="store_true",
+                    help="tuning: down rows read their activations in natural order instead of fused_moe's pair order")
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                     help="activations and outputs (bfloat16 needs ml_dtypes and --no-baseline: the baseline is fp16; "
                          "the FLOP floor stays the fp16 matmul rate, which bf16 shares on Hopper)")
     args = ap.parse_args(argv)
+    global NATURAL_DOWN
+    NATURAL_DOWN = args.natural_down
     if args.dtype == "bfloat16" and not args.no_baseline:
         ap.error("--dtype bfloat16: expected --no-baseline as well (the dequantize + matmul baseline is fp16)")
     dtype = np.float16
@@ -308,6 +320,8 @@ def main(argv=None):
             key, val = (int(v) for v in item.split("="))
             configs.RESIDENT_PER_SM[key] = val
         print(f"# RESIDENT_PER_SM = {configs.RESIDENT_PER_SM}")
+    if args.natural_down:
+        print("# down rows: activations in natural order")
     if args.rows_16_max is not None:
         configs.ROWS_16_MAX = args.rows_16_max
         print(f"# ROWS_16_MAX = {args.rows_16_max}")

@@ -192,9 +192,13 @@ class GemmConfig:
         return max(self.min_ctas(act_order), RESIDENT_PER_SM.get(self.block_m, 1))
 
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
-                        hopper: bool = False, k: int | None = None) -> str:
-        """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none)."""
+                        hopper: bool = False, k: int | None = None, pair_a: bool = False) -> str:
+        """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none); pair_a: the
+        activations in pair order (4-bit; moe_gemm and the tc kernel, see kPairA in moe_gemm.cu)."""
         b = lambda flag: "true" if flag else "false"
+        if pair_a and (bits != 4 or self.kind == "ws"):
+            raise ValueError(f"pair_a: expected 4-bit weights and kind 'reg' or 'tc', got {bits}-bit, kind "
+                             f"{self.kind!r} (kernel_instance falls back from 'ws')")
         if self.kind == "ws":
             if act_order or not hopper:
                 raise ValueError("kind 'ws': expected hopper=True and act_order=False (kernel_instance falls back), "
@@ -204,10 +208,10 @@ class GemmConfig:
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
             return (f"moe_gemm_tc<{b(bf16)}, {bits}, {self.block_m}, {self.block_n}, {self.stages}, {self.ku}, "
-                    f"{b(hopper)}>")
+                    f"{b(hopper)}, {b(pair_a)}>")
         gm = self.group_mode(act_order, group_len, k)
         return (f"moe_gemm<{b(bf16)}, {bits}, {self.mt}, {self.warps_m}, {self.warps_n}, {self.warps_k}, {self.ng}, "
-                f"{self.ku}, {self.stages}, {gm}, {self.min_ctas(act_order)}>")
+                f"{self.ku}, {self.stages}, {gm}, {self.min_ctas(act_order)}, {b(pair_a)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
         """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
@@ -266,18 +270,28 @@ def hopper_enabled(arch: str) -> bool:
     return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
 
 
+def down_pair_order(bits: int, block_m: int) -> bool:
+    """Whether fused_moe's down GEMM reads its activations in pair order (fused_moe_gemm's a_pair_order): 4-bit
+    weights on 16-row blocks. moe_gemm's 16-row loops then skip re-pairing them: down rows 2-8% faster (H200,
+    2026-12-04). The tc kernel of 64- and 128-row blocks ran 4-5% slower with them, though its loop is 32 of 365
+    instructions shorter, so those blocks keep the natural order."""
+    return bits == 4 and block_m == 16
+
+
 def kernel_instance(cfg: GemmConfig, bf16: bool, bits: int, act_order: bool, group_len: int, hopper: bool = False,
-                    k: int | None = None):
+                    k: int | None = None, pair_a: bool = False):
     """(config actually launched, name expression, dynamic shared-memory bytes) for one call.
 
     The split-K factor of `cfg` is kept; act-order at a tc block size switches to ACT_ORDER_SHAPES[block_m].
-    hopper: the Hopper variants (see hopper_enabled).
+    hopper: the Hopper variants (see hopper_enabled). pair_a: activations in pair order (4-bit only), which the ws
+    kernel does not read, so a ws shape falls back to the portable one.
     """
-    if cfg.kind == "ws" and (act_order or not hopper):
+    if cfg.kind == "ws" and (act_order or not hopper or pair_a):
         cfg = replace(_PORTABLE_SHAPES[cfg.block_m], split_k=cfg.split_k)
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
-    return cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper, k), cfg.smem_bytes(bits, hopper)
+    return (cfg, cfg.name_expression(bf16, bits, act_order, group_len, hopper, k, pair_a),
+            cfg.smem_bytes(bits, hopper))
 
 
 def all_name_expressions(arch: str = "sm_80") -> list[str]:
@@ -289,7 +303,8 @@ def all_name_expressions(arch: str = "sm_80") -> list[str]:
             for bits in (4, 8):
                 for cfg in (*KERNEL_SHAPES.values(), *HOPPER_SHAPES.values(), *SPLIT_WARPS_SHAPES.values()):
                     for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
-                        names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper)[1])
+                        for pair_a in ((False, True) if bits == 4 else (False,)):
+                            names.append(kernel_instance(cfg, bf16, bits, act, glen, hopper, pair_a=pair_a)[1])
     return list(dict.fromkeys(names))
 
 

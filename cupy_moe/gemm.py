@@ -46,7 +46,7 @@ def _workspace(cp, floats, ints):
 
 
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
-                   topk_weights=None, out=None):
+                   topk_weights=None, out=None, *, a_pair_order=False):
     """out[p, :] = a[p // top_k, :] @ W[expert of p] (* topk_weights[p]), rounded once to a's dtype.
 
     a: float16 or bfloat16 [M, K] (NumPy input: any float dtype the reference takes).
@@ -63,6 +63,9 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     topk_weights: float32 [M, top_k] or [P], or None: multiplies each row in fp32 before the single rounding.
     out: [P, N] of a's dtype to write into, or None (new, zero-filled). Rows of pairs absent from the list stay
         untouched.
+    a_pair_order: a's columns are in pair order (4-bit weights only): each run of 8 columns holds k0 k4 k1 k5 k2 k6
+        k3 k7 of its run, the order in which the 4-bit dequantizer pairs codes, so the kernels need not re-pair
+        them (`cupy_moe.reference.to_pair_order` makes it; fused_moe's down phase gets it from silu-and-mul).
     Returns out [P, N].
     A block whose expert id is outside [0, E) is skipped: its rows stay untouched (ids are not checked on the host,
     which would need a synchronization).
@@ -70,7 +73,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     if not is_device_array(a):
         from . import reference
         return reference.fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
-                                        topk_weights=topk_weights, out=out)
+                                        topk_weights=topk_weights, out=out, a_pair_order=a_pair_order)
     cp = require_gpu("fused_moe_gemm on CuPy arrays")
     # ---- check
     if a.dtype == np.float16:
@@ -88,6 +91,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     bits = weight.bits
     if bits not in (4, 8):
         _fail("weight.bits", "4 or 8 (the kernel's dequantizers)", bits)
+    if a_pair_order and bits != 4:
+        _fail("a_pair_order", "False with 8-bit weights (pair order is the 4-bit dequantizer's)", a_pair_order)
     qweight = _check_dev_array(cp, "weight.qweight", weight.qweight, np.int32, 3, "[E, K*bits/32, N]")
     e, rows, n = qweight.shape
     k = rows * 32 // bits
@@ -177,7 +182,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     hopper = configs.hopper_enabled(_compile.device_arch())
     cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper,
                                 act_order=g_idx is not None)
-    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k)
+    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k,
+                                              pair_a=bool(a_pair_order))
     n_tiles = -(-n // cfg.block_n)
     chunks = k // 32
     wk = cfg.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all

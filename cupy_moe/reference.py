@@ -31,7 +31,8 @@ import numpy as np
 
 __all__ = [
     "QuantizedLinear", "pack_rows", "unpack_rows", "pack_cols", "unpack_cols", "dequantize", "quantize",
-    "act_order_g_idx", "moe_align_block_size", "fused_moe_gemm", "select_experts", "fused_moe",
+    "act_order_g_idx", "moe_align_block_size", "fused_moe_gemm", "select_experts", "fused_moe", "to_pair_order",
+    "from_pair_order",
 ]
 
 _BITS = (2, 3, 4, 8)
@@ -411,11 +412,33 @@ def _dequantize_expert(weight, expert):
                       bits=weight.bits, group_size=weight.group_size, checkpoint_format="gptq_v2")
 
 
+# Pair order (the 4-bit kernels' activation layout, see fused_moe_gemm's a_pair_order): position j of every run of 8
+# columns holds column _PAIR_ORDER[j] of the run, i.e. k0 k4 k1 k5 k2 k6 k3 k7.
+_PAIR_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])
+
+
+def to_pair_order(x):
+    """[..., K] (K a multiple of 8) -> the same values with every run of 8 columns in pair order k0 k4 k1 k5 ...
+    Works on NumPy and CuPy arrays alike (returns a new array of the same kind)."""
+    if x.shape[-1] % 8:
+        raise ValueError(f"x: expected a last dimension that is a multiple of 8, got shape {x.shape}")
+    runs = x.reshape(*x.shape[:-1], -1, 8)
+    return runs[..., _PAIR_ORDER.tolist()].reshape(x.shape)
+
+
+def from_pair_order(x):
+    """The inverse of to_pair_order."""
+    if x.shape[-1] % 8:
+        raise ValueError(f"x: expected a last dimension that is a multiple of 8, got shape {x.shape}")
+    runs = x.reshape(*x.shape[:-1], -1, 8)
+    return runs[..., np.argsort(_PAIR_ORDER).tolist()].reshape(x.shape)
+
+
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
-                   topk_weights=None, out=None):
+                   topk_weights=None, out=None, *, a_pair_order=False):
     """One GPTQ MoE GEMM phase over aligned blocks of pairs.
 
-    a: float16/bfloat16/float32 [M, K] activations.
+    a: float16/bfloat16/float32 [M, K] activations; a_pair_order: a's columns are in pair order (to_pair_order).
     weight: StackedGptqWeight on the host (qweight [E, K*bits/32, N], scales [E, ceil(K/G), N],
             qzeros [E, ceil(K/G), N*bits/32] real zeros or None, g_idx [E, K] or None, bits, group_size).
     sorted_token_ids: int [C], expert_ids: int [C/B], num_tokens_post_padded: int [1] from moe_align_block_size;
@@ -476,7 +499,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
             raise ValueError(f"out: expected shape ({p_total}, {n}) = [M*top_k, N] and dtype {a.dtype}, "
                              f"got shape {out.shape} and dtype {out.dtype}")
 
-    a64 = a.astype(np.float64)  # [M, K]
+    a64 = (from_pair_order(a) if a_pair_order else a).astype(np.float64)  # [M, K]
     dense = {}  # expert -> float64 [K, N], dequantized once
     total = int(num_tokens_post_padded[0])
     for b in range(num_blocks):

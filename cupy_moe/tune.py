@@ -110,7 +110,9 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 timings = {}
                 for cfg, (block_m, split) in runs.items():
                     aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
-                    calls = [lambda al=al: fused_moe_gemm(x, weight, *al, top_k, out=out) for al in aligned]
+                    pair = phase == "down" and configs.down_pair_order(bits, block_m)  # as fused_moe's act
+                    calls = [lambda al=al: fused_moe_gemm(x, weight, *al, top_k, out=out, a_pair_order=pair)
+                             for al in aligned]
                     table[key] = {"block_m": block_m, "split_k": split}
                     timings[cfg] = _graph_time(cp, stream, calls, reps)
                 del table[key]

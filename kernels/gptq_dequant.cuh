@@ -276,13 +276,14 @@ __device__ __forceinline__ void dequant8u(const u32 (&q)[kBits / 4], const Group
   }
 }
 
-// 8 codes k0..k7 of one column -> 16 bytes in natural k order (k0,k1) (k2,k3) (k4,k5) (k6,k7), for a shared-memory
-// B tile read back by ldmatrix.
-template <bool kBf16, int kBits>
+// 8 codes k0..k7 of one column -> 16 bytes in the activations' k order, for a shared-memory B tile read back by
+// ldmatrix or wgmma: natural (k0,k1) (k2,k3) (k4,k5) (k6,k7); kPairA (4-bit, activations in pair order, see
+// row_pairs): the dequantizer's own (k0,k4) (k1,k5) (k2,k6) (k3,k7), as they come.
+template <bool kBf16, int kBits, bool kPairA = false>
 __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], const GroupConst& c) {
   u32 p[4];
   dequant8u<kBf16, kBits>(q, c, p);
-  if constexpr (kBits == 4) {
+  if constexpr (kBits == 4 && !kPairA) {
     return make_uint4(prmt(p[0], p[1], 0x5410u), prmt(p[2], p[3], 0x5410u), prmt(p[0], p[1], 0x7632u),
                       prmt(p[2], p[3], 0x7632u));
   } else {
@@ -345,9 +346,12 @@ __device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u
 // 8-bit natural): for k16 half kh of a 32-k chunk, p_kh[0] / p_kh[1] = the pairs at A slots 2t, 2t+1 / 2t+8, 2t+9.
 // x: the row's 8 activations k0+8t .. k0+8t+7 (a 16-byte load). They are the B operand of the swapped decode mmas
 // (weights as the m16 side, rows as the n8 side) and half of the A operand below.
-template <int kBits>
+// kPairA: the activations are stored in pair order already (each 8-k run as k0 k4 k1 k5 k2 k6 k3 k7; 4-bit only),
+// so the load is the pairs.
+template <int kBits, bool kPairA = false>
 __device__ __forceinline__ void row_pairs(const uint4& x, u32 (&p0)[2], u32 (&p1)[2]) {
-  if constexpr (kBits == 4) {
+  static_assert(!kPairA || kBits == 4, "pair order is the 4-bit dequantizer's");
+  if constexpr (kBits == 4 && !kPairA) {
     p0[0] = prmt(x.x, x.z, 0x5410u); p0[1] = prmt(x.x, x.z, 0x7632u);
     p1[0] = prmt(x.y, x.w, 0x5410u); p1[1] = prmt(x.y, x.w, 0x7632u);
   } else {
@@ -358,8 +362,15 @@ __device__ __forceinline__ void row_pairs(const uint4& x, u32 (&p0)[2], u32 (&p1
 
 // The A operand (16x16 row-major fragment) for the two mmas of one 32-wide k chunk, in the k order above.
 // x, y: the 8 activations k0+8t .. k0+8t+7 of rows g and g+8 (16-byte loads).
-template <int kBits>
+template <int kBits, bool kPairA = false>
 __device__ __forceinline__ void a_operands(const uint4& x, const uint4& y, u32 (&a0)[4], u32 (&a1)[4]) {
+  if constexpr (kPairA) {  // one PRMT per register all the same: it writes the operand quad in place (plain moves
+    // instead made nvcc 13.0 copy the loaded registers about three times over: 329 -> 391 instructions per stage)
+    const u32 id = 0x3210u;
+    a0[0] = prmt(x.x, 0u, id); a0[1] = prmt(y.x, 0u, id); a0[2] = prmt(x.y, 0u, id); a0[3] = prmt(y.y, 0u, id);
+    a1[0] = prmt(x.z, 0u, id); a1[1] = prmt(y.z, 0u, id); a1[2] = prmt(x.w, 0u, id); a1[3] = prmt(y.w, 0u, id);
+    return;
+  }
   u32 x0[2], x1[2], y0[2], y1[2];
   row_pairs<kBits>(x, x0, x1);
   row_pairs<kBits>(y, y0, y1);

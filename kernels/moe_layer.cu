@@ -87,9 +87,11 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
   }
 }
 
-// out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T.
+// out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T. pair_order (I % 8 == 0): column i is
+// stored at its place in pair order instead (each run of 8 as i0 i4 i1 i5 i2 i6 i3 i7; moe_gemm.cu, kPairA).
 template <typename T>
-__global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi, long long P, int I) {
+__global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi, long long P, int I,
+                             int pair_order) {
   pdl::enter();
   const long long total = P * I;
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
@@ -98,7 +100,8 @@ __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi
     const int i = static_cast<int>(t - p * I);
     const float g = to_float(x_p2i[p * 2 * I + i]);
     const float u = to_float(x_p2i[p * 2 * I + I + i]);
-    out_pi[t] = from_float<T>(g / (1.0f + expf(-g)) * u);
+    const int at = pair_order ? (i & ~7) | (2 * (i & 3) + ((i >> 2) & 1)) : i;
+    out_pi[p * I + at] = from_float<T>(g / (1.0f + expf(-g)) * u);
   }
 }
 

@@ -43,8 +43,8 @@ def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     assert configs.expected_experts(4096, 8, 2) == 8
     # 4 CTAs per SM for the 16-row instances compiled for it (all but act-order)
     assert configs.DECODE.ctas_per_sm(act_order=False) == 4
-    assert configs.DECODE.name_expression(False, 4, False, 32).endswith(", 0, 4>")   # group mode 0: the same bound
-    assert configs.DECODE.name_expression(False, 8, False, 128).endswith(", 1, 4>")  # 8-bit: the same bound
+    assert configs.DECODE.name_expression(False, 4, False, 32).endswith(", 0, 4, false>")   # group mode 0: same bound
+    assert configs.DECODE.name_expression(False, 8, False, 128).endswith(", 1, 4, false>")  # 8-bit: the same bound
     assert configs.DECODE.ctas_per_sm(act_order=True) == 3
     assert configs.DECODE_32.ctas_per_sm(act_order=False) == 3
     # group mode 1 needs whole stages: G and K multiples of 32 * ku
@@ -102,7 +102,7 @@ def test_large_splits_of_16_row_blocks_become_warps_along_k():
     # Qwen3-30B-A3B down M = 1 (3 slices of 2 stages): the same
     cfg = configs.choose_config(8, 128, 1, 768, 2048, 4, 128)
     assert (cfg.warps_k, cfg.split_k, cfg.short_name) == (4, 1, "16k")
-    assert cfg.name_expression(False, 4, False, 128) == "moe_gemm<false, 4, 1, 1, 1, 4, 1, 4, 2, 1, 4>"
+    assert cfg.name_expression(False, 4, False, 128) == "moe_gemm<false, 4, 1, 1, 1, 4, 1, 4, 2, 1, 4, false>"
     assert cfg.name_expression(False, 4, False, 128) in configs.all_name_expressions("sm_80")
     # Mixtral-8x7B down M = 1 (8 slices of 14 stages; 4 warp slices would be 28) keeps the 16 x 128 shape
     cfg = configs.choose_config(2, 8, 1, 14336, 4096, 4, 128)
@@ -167,9 +167,9 @@ def test_tune_checks_its_arguments_before_touching_a_gpu():
 
 def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     tc, dec = configs.PREFILL_128, configs.DECODE
-    assert configs.kernel_instance(tc, False, 4, False, 128)[1].endswith(", false>")
+    assert configs.kernel_instance(tc, False, 4, False, 128)[1].endswith(", false, false>")
     _, name, smem = configs.kernel_instance(tc, False, 4, False, 128, hopper=True)
-    assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, {tc.ku}, true>"
+    assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, {tc.ku}, true, false>"
     # wgmma: 32-k steps rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
     step = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
     assert smem == tc.stages * tc.ku * (-(-step // 512) * 512) + 2 * tc.ku * tc.block_n * 64 + 1024
@@ -177,13 +177,20 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     plain = configs.kernel_instance(dec, True, 8, False, 128)
     assert configs.kernel_instance(dec, True, 8, False, 128, hopper=True) == plain and plain[2] == 0
     name = configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, False, 128)
-    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 1, 4, 2, 1, 4>"  # group mode 1, bound to 4 CTAs per SM
-    assert configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, True, 128).endswith(", 2, 3>")  # act-order
+    assert name == "moe_gemm<true, 8, 1, 1, 4, 1, 1, 4, 2, 1, 4, false>"  # group mode 1, bound to 4 CTAs per SM
+    assert configs.GemmConfig(1, 1, 4, 1, 4, 2).name_expression(True, 8, True, 128).endswith(", 2, 3, false>")
     # the 4-bit, one-group-per-stage instance carries the launch bound of 4 CTAs per SM
-    assert dec.name_expression(False, 4, False, 128).endswith(", 1, 4>")
+    assert dec.name_expression(False, 4, False, 128).endswith(", 1, 4, false>")
     # act-order at a tc block size falls back to moe_gemm (group mode 2), which has no wgmma variant
     cfg, name, smem = configs.kernel_instance(tc, False, 4, True, 128, hopper=True)
-    assert name.startswith("moe_gemm<") and name.endswith(", 2, 1>") and smem == 0
+    assert name.startswith("moe_gemm<") and name.endswith(", 2, 1, false>") and smem == 0
+    # activations in pair order: 4-bit, moe_gemm and the tc kernel; a ws shape falls back to the portable one
+    assert configs.kernel_instance(tc, False, 4, False, 128, True, pair_a=True)[1].endswith(", true, true>")
+    assert dec.name_expression(False, 4, False, 128, pair_a=True).endswith(", 1, 4, true>")
+    cfg, name, _ = configs.kernel_instance(configs.WS_32, False, 4, False, 128, True, pair_a=True)
+    assert cfg.kind == "reg" and name.endswith(", true>")
+    with pytest.raises(ValueError, match="pair_a: expected 4-bit weights"):
+        dec.name_expression(False, 8, False, 128, pair_a=True)
     monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
     assert not configs.hopper_enabled("sm_90a")
     monkeypatch.setenv("CUPY_MOE_HOPPER", "1")

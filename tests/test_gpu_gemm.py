@@ -290,6 +290,35 @@ def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
         fused_moe_gemm(x, w, s, eids, None, a)
 
 
+@pytest.mark.parametrize("hopper", ["1", "0"])
+@pytest.mark.parametrize("block_m,act_order,dtype_name", [
+    (16, False, "float16"), (16, True, "bfloat16"), (32, False, "bfloat16"), (64, False, "float16"),
+    (128, False, "bfloat16"), (128, True, "float16")])
+def test_gemm_pair_order(block_m, act_order, dtype_name, hopper, monkeypatch):
+    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm.cu, kPairA) give the reference's result
+    on every kernel that takes them (the decode kernel, the tc kernel; a 32-row block falls back from the ws kernel
+    to the decode kernel), with split-K and warps along K; 8-bit weights are rejected."""
+    from cupy_moe.reference import to_pair_order
+    monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)
+    rng = np.random.default_rng(block_m + act_order)
+    dt = _dtype(dtype_name)
+    e, m, a, n = 6, {16: 3, 32: 20, 64: 40, 128: 150}[block_m], 2, 160
+    for k in (1024, 4096):  # 4096 with few CTAs: split-K (and warps along K for 16-row blocks)
+        w_host = make_weight(rng, e, k, n, 4, 128, False, act_order)
+        w = w_host.to_device()
+        x = rng.standard_normal((m, k)).astype(np.float32).astype(dt)
+        ids = route(rng, m, e, a, "uniform")
+        s, eids, post = moe_align_block_size(cp.asarray(ids), block_m, e)
+        got = fused_moe_gemm(to_pair_order(cp.asarray(x)), w, s, eids, post, a, a_pair_order=True)
+        ref = reference.fused_moe_gemm(x.astype(np.float32), w_host, *(cp.asnumpy(v) for v in (s, eids, post)), a)
+        got = cp.asnumpy(got).astype(np.float64)
+        assert not np.isnan(got).any()
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= REL_L2[dtype_name]
+    w8 = make_weight(rng, e, 256, n, 8, 128, False, False).to_device()
+    with pytest.raises(ValueError, match="a_pair_order: expected False with 8-bit weights"):
+        fused_moe_gemm(cp.zeros((m, 256), cp.float16), w8, s, eids, post, a, a_pair_order=True)
+
+
 def test_numpy_inputs_run_reference():
     rng = np.random.default_rng(3)
     w = make_weight(rng, 2, 64, 32, 4, 32, True, False)

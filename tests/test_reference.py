@@ -505,6 +505,21 @@ def test_fused_moe_gemm_one_pair_per_block_is_the_aligned_result():
         ref.fused_moe_gemm(a, weight, None, ids.reshape(-1)[:5], None, a_k)
 
 
+def test_pair_order_round_trip_and_gemm():
+    x = np.arange(2 * 24).reshape(2, 24)
+    np.testing.assert_array_equal(ref.to_pair_order(x)[0, :8], [0, 4, 1, 5, 2, 6, 3, 7])
+    np.testing.assert_array_equal(ref.from_pair_order(ref.to_pair_order(x)), x)
+    with pytest.raises(ValueError, match=r"x: expected a last dimension that is a multiple of 8, got shape \(2, 12\)"):
+        ref.to_pair_order(x[:, :12])
+    rng = np.random.default_rng(9)
+    weight, _ = make_stacked(rng, 48, 16, 3, 4, group_size=16, sym=False, act_order=True)
+    a = rng.standard_normal((5, 48)).astype(np.float16)
+    ids = routing(rng, 5, 2, 3)
+    aligned = ref.moe_align_block_size(ids, 4, 3)
+    np.testing.assert_array_equal(ref.fused_moe_gemm(ref.to_pair_order(a), weight, *aligned, 2, a_pair_order=True),
+                                  ref.fused_moe_gemm(a, weight, *aligned, 2))
+
+
 def test_fused_moe_gemm_takes_any_weight_like_object_and_empty_input():
     weight, dense = make_stacked(np.random.default_rng(5), 32, 32, 2, 3, group_size=-1, sym=False)
     duck = SimpleNamespace(qweight=weight.qweight, scales=weight.scales, qzeros=weight.qzeros,
