@@ -23,6 +23,14 @@ t.run_case(rng, e=1, m=1, a=1, k=4096, n=96, group_size=128, block_m=16, **commo
 import cupy as cp
 from cupy_moe.align import moe_align_block_size
 moe_align_block_size(cp.asarray(rng.integers(0, 64, size=(5000, 4)).astype(np.int32)), 16, 64)  # multi-CTA path
+# activations in pair order (a_pair_order) on the decode and the tc kernel, a partial column tile
+from cupy_moe import fused_moe_gemm
+from cupy_moe.reference import to_pair_order
+w = t.make_weight(rng, 3, 256, 96, 4, 128, False, False).to_device()
+ids = cp.asarray(t.route(rng, 40, 3, 2, "uniform"))
+x = to_pair_order(cp.asarray(rng.standard_normal((40, 256)).astype(np.float16)))
+for bm in (16, 64):
+    fused_moe_gemm(x, w, *moe_align_block_size(ids, bm, 3), 2, a_pair_order=True)
 cp.cuda.Device().synchronize()
 # A whole layer forward through the layer kernels (select_experts, silu_and_mul, moe_sum) too.
 import tempfile

@@ -90,7 +90,13 @@ Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (
 every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
 Mixtral-8x22B down M = 4: 2 ways 170 against 8 ways 139 us); on the same kind of sweep at 18:25 the previous rule
 (3 CTAs per SM, touched = min(E, M*A)) took 1.032 (worst 1.55).
-`block_m` is the align block size the layer must pass to `moe_align_block_size`.
+A 64-row pick that the estimate splits (a grid under half a wave: few experts, few column tiles) becomes 128 rows
+unsplit where that grid fills at least FULL_WAVE of its waves: one 64-k stage of a 128-row CTA alone on its SM takes
+about what a 32-k stage of one of two 64-row CTAs takes (H200 2026-12-04, 0.71 against 0.84 us), and the 128-row tile
+has no fp32 partials. H200, 2026-12-04 19:19 (abk/splits.py): Mixtral-8x7B down M = 128 (128 CTAs of 128 rows) 64 x S2
+187.8 us, 128 x S1 159.7; Mixtral-8x22B down M = 128 (192 CTAs: 0.73 of two waves) 64 x S4 309.7, 128 x S1 361.6.
+`block_m` is the align block size of that phase: `moe_align_block_size` takes it (fused_moe aligns a second time
+when its two phases pick different sizes).
 """
 from __future__ import annotations
 
@@ -128,6 +134,7 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
+FULL_WAVE = 0.9  # a split 64-row pick becomes 128 rows unsplit where that grid fills this much of its waves
 
 
 @dataclass(frozen=True)
@@ -334,22 +341,28 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
     if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
         return _split_warps(replace(shape(tuned["block_m"]), split_k=tuned["split_k"]), k)
-    if block_m is None:
+    heuristic = block_m is None
+    if heuristic:
         block_m = 16 if rows <= ROWS_16_MAX else 64 if rows <= ROWS_64_MAX else 128
     elif block_m not in KERNEL_SHAPES:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
-    base = shape(block_m)
-    blocks = _blocks(touched, rows, base.block_m)
-    n_tiles = -(-n // base.block_n)
-    ctas = math.ceil(blocks * n_tiles)
-    chunks = max(1, k // 32)
+
+    def grid(bm):  # (shape, CTAs of the unsplit grid, resident slots)
+        cfg = shape(bm)
+        ctas = math.ceil(_blocks(touched, rows, cfg.block_m) * -(-n // cfg.block_n))
+        return cfg, ctas, cfg.ctas_per_sm(act_order) * NUM_SMS
+
+    base, ctas, slots = grid(block_m)
     max_split = max_split_k(k, base.ku)
-    slots = base.ctas_per_sm(act_order) * NUM_SMS
-    stages = -(-chunks // base.ku)
+    stages = -(-max(1, k // 32) // base.ku)
     if base.kind == "tc" and ctas >= slots:
         max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's 2 stages (docstring)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))
+    if heuristic and block_m == 64 and split > 1 and not act_order:
+        big, big_ctas, big_slots = grid(128)
+        if big_ctas >= FULL_WAVE * big_slots * -(-big_ctas // big_slots):
+            return replace(big, split_k=1)  # a full unsplit wave of 128-row tiles (docstring)
     return _split_warps(replace(base, split_k=split), k)
 
 

@@ -6,7 +6,8 @@ NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
 
     router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32
     topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only;
-                                       skipped at M = 1 with int32 ids: the GEMMs take one pair per block)
+                                       skipped at M = 1 with int32 ids: the GEMMs take one pair per block;
+                                       done again for the down phase when it picks another block size)
     hidden [M, H] --fused_moe_gemm(w13, top_k=A)--> x1 [P, 2I]        one launch
     x1 --silu_and_mul--> act [P, I]                                   one launch (4-bit w2, 16-row blocks: pair order)
     act --fused_moe_gemm(w2, top_k=1, topk_weights)--> x2 [P, H]      one launch, routing weights fused
@@ -156,19 +157,22 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
     if m == 1 and topk_ids.dtype == np.int32:
         # one token: its experts are distinct, so the aligned list would hold one pair per 16-row block anyway. The
         # GEMMs take topk_ids as they are (one pair per block; repeated ids work too) and the align launch is saved.
-        sorted_ids, expert_ids, num_post = None, cp.ascontiguousarray(topk_ids), None
-        block_m = 16  # what a one-pair block is
+        aligned = None, cp.ascontiguousarray(topk_ids), None
+        block_m = down_block_m = 16  # what a one-pair block is
     else:
         block_m = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size).block_m
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, block_m, e)
+        down_block_m = configs.choose_config(p, e, 1, i, h, w2.bits, w2.group_size).block_m
+        aligned = moe_align_block_size(topk_ids, block_m, e)
     # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
-    x1 = fused_moe_gemm(hidden_states, w13, sorted_ids, expert_ids, num_post, a, out=cp.empty((p, 2 * i), dtype))
+    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cp.empty((p, 2 * i), dtype))
+    if down_block_m != block_m:  # the phases pick different block sizes: a second align launch (pair ids are shared)
+        aligned = moe_align_block_size(topk_ids, down_block_m, e)
     act = cp.empty((p, i), dtype)
-    pair = configs.down_pair_order(w2.bits, block_m)  # act in the 4-bit dequantizer's pair order (gemm.py)
+    pair = configs.down_pair_order(w2.bits, down_block_m)  # act in the 4-bit dequantizer's pair order (gemm.py)
     _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i), (_THREADS,),
                     (x1, act, np.int64(p), np.int32(i), np.int32(pair)))
-    x2 = fused_moe_gemm(act, w2, sorted_ids, expert_ids, num_post, 1, topk_weights=topk_weights,
-                        out=cp.empty((p, h), dtype), a_pair_order=pair)
+    x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
+                        a_pair_order=pair)
     _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}>"), _grid(m * h), (_THREADS,),
                     (x2, out, np.int64(m), np.int32(a), np.int32(h)))
     return out

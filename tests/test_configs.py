@@ -36,6 +36,20 @@ def test_tc_tiles_split_only_grids_under_one_wave():
     assert (cfg.kind, cfg.block_m) == ("tc", 64) and cfg.split_k > 1
 
 
+def test_a_split_64_row_pick_becomes_a_full_wave_of_128_row_tiles():
+    # Mixtral-8x7B down M = 128: 32 rows on each of 8 experts. 64-row tiles: 128 CTAs, split; 128-row tiles: 128
+    # CTAs, 0.97 of one wave -> 128 rows unsplit
+    cfg = configs.choose_config(256, 8, 1, 14336, 4096, 4, 128, hopper=False)
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 128, 1)
+    # forced 64 rows (an align already made) keeps them, split
+    cfg = configs.choose_config(256, 8, 1, 14336, 4096, 4, 128, block_m=64, hopper=False)
+    assert (cfg.block_m, cfg.split_k > 1) == (64, True)
+    # Mixtral-8x22B down M = 128: 192 CTAs of 128 rows fill 0.73 of two waves -> 64 rows, split (test above)
+    assert configs.choose_config(256, 8, 1, 16384, 6144, 4, 128, hopper=False).block_m == 64
+    # the gate/up phase of the same layer: 896 CTAs of 64 rows, unsplit, stays 64
+    assert configs.choose_config(128, 8, 2, 4096, 28672, 4, 128, hopper=False).block_m == 64
+
+
 def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     # expected distinct experts under uniform routing: Mixtral M = 4, top-2 of 8 -> 8 * (1 - 0.75^4) = 5.47, not 8
     assert configs.expected_experts(4, 8, 2) == pytest.approx(8 * (1 - 0.75**4))

@@ -100,6 +100,33 @@ def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
         cp.testing.assert_array_equal(direct, aligned)
 
 
+def test_fused_moe_aligns_again_when_the_phases_pick_different_blocks(tmp_path, monkeypatch):
+    """A down phase that picks another block size gets an align of its own, and the result matches the reference."""
+    import cupy_moe.layer as layer_mod
+    from cupy_moe import configs
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(7)
+    m = 40  # 20 rows per expert: 16-row blocks for both phases by the heuristic
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    weights, ids = reference.select_experts(rng.standard_normal((m, E)).astype(np.float32), 4, True)
+    args = (cp.asarray(x), w13, w2, cp.asarray(weights), cp.asarray(ids))
+    want = reference.fused_moe(x, host.w13, host.w2, weights, ids).astype(np.float32)
+    choose, aligns = configs.choose_config, []
+    for down_block in (64, 128):
+        # the down phase (a = 1) is told to take down_block rows; the gate/up phase keeps its 16
+        monkeypatch.setattr(configs, "choose_config", lambda m_, e_, a_, *rest, **kw: choose(
+            m_, e_, a_, *rest, **(kw if a_ != 1 else dict(kw, block_m=down_block))))
+        align = layer_mod.moe_align_block_size
+        monkeypatch.setattr(layer_mod, "moe_align_block_size", lambda t, b, e: aligns.append(b) or align(t, b, e))
+        got = fused_moe(*args)
+        monkeypatch.undo()
+        assert aligns[-2:] == [16, down_block]
+        assert rel_l2(cp.asnumpy(got).astype(np.float32), want) <= REL_L2["float16"]
+
+
 @pytest.mark.parametrize("logits_dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("e,a", [(8, 2), (60, 4), (256, 8), (1024, 32), (5, 5)])
 @pytest.mark.parametrize("renormalize", [False, True])
