@@ -293,6 +293,8 @@ def main(argv=None):
     ap.add_argument("--rows-64-max", type=int, default=None, help="tuning: override configs.ROWS_64_MAX")
     ap.add_argument("--warps-k-extra-stages", type=int, default=None,
                     help="tuning: override configs.WARPS_K_EXTRA_STAGES (-1: never the warps-along-K shape)")
+    ap.add_argument("--split-fill-stages", type=int, default=None,
+                    help="tuning: override configs.SPLIT_FILL_STAGES (the split estimate's per-CTA stages)")
     ap.add_argument("--resident", default=None,
                     help="tuning: override configs.RESIDENT_PER_SM (CTAs per SM of the shapes without a launch bound) "
                          "for the split-K estimate, e.g. '32=2'")
@@ -325,6 +327,9 @@ def main(argv=None):
     if args.rows_16_max is not None:
         configs.ROWS_16_MAX = args.rows_16_max
         print(f"# ROWS_16_MAX = {args.rows_16_max}")
+    if args.split_fill_stages is not None:
+        configs.SPLIT_FILL_STAGES = args.split_fill_stages
+        print(f"# SPLIT_FILL_STAGES = {args.split_fill_stages}")
     if args.warps_k_extra_stages is not None:
         configs.WARPS_K_EXTRA_STAGES = args.warps_k_extra_stages
         print(f"# WARPS_K_EXTRA_STAGES = {args.warps_k_extra_stages}")

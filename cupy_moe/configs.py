@@ -134,6 +134,7 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
+SPLIT_FILL_STAGES = 2  # the split estimate's stages per CTA for its pipeline fill and epilogue (docstring)
 FULL_WAVE = 0.9  # a split 64-row pick becomes 128 rows unsplit where that grid fills this much of its waves
 
 
@@ -357,7 +358,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     stages = -(-max(1, k // 32) // base.ku)
     if base.kind == "tc" and ctas >= slots:
         max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's 2 stages (docstring)
-    cost = [-(-ctas * s // slots) * (-(-stages // s) + 2) for s in range(1, max_split + 1)]
+    cost = [-(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))
     if heuristic and block_m == 64 and split > 1 and not act_order:
         big, big_ctas, big_slots = grid(128)
