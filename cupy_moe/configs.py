@@ -76,16 +76,21 @@ us); 56 is between, where about 1 expert in 8 would need a second 64-row block).
 Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
 phase passes M*A rows with A = 1); `min(E, M*A)` overestimated small batches (Mixtral M = 4: 8 against 5.5).
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
-16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + 2), with
-waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and 2 stages for a CTA's pipeline fill and
-epilogue. Short slices cost (a fresh CTA starts with an empty pipeline) and so does a nearly empty last wave.
+16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + F), with
+waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and F = SPLIT_FILL_STAGES = 4 stages for a CTA's
+pipeline fill, epilogue and partial round trip. Short slices cost (a fresh CTA starts with an empty pipeline) and so
+does a nearly empty last wave. F was 2 until 2026-12-04 20:17 UTC (H200, bench_gemm.py --m 1,2,4,8,16,32,64
+--split-fill-stages 4 against 2, 112 decode rows, each timed twice, interleaved): with 4 the picks took 0.85-1.08 of
+the time, 0.994 on the geometric mean; 10 rows gained more than 3% (DeepSeek-V2-Lite down M = 4 16.4 -> 14.0 us,
+Mixtral-8x7B gate/up M = 64 233.5 -> 203.4, unsplit 16 x 128 instead of 16 x 32 with warps along K), one lost
+(Qwen3-235B-A22B gate/up M = 2 34.5 -> 37.2).
 The tc tiles (64 and 128 rows) split only grids of less than one wave: their fp32 partial tiles (64-128 KB per
-CTA, written, then read by the last CTA) cost far more than 2 stages. H200, 2026-12-04 15:59-16:03 (python -m
+CTA, written, then read by the last CTA) cost far more than F stages. H200, 2026-12-04 15:59-16:03 (python -m
 cupy_moe tune, all splits timed): on grids of one wave or more, split 2 took 1.04-1.57 of the unsplit time
 (Qwen2-57B-A14B down M = 256 310.6 against 212.8 us, Qwen1.5-MoE-A2.7B gate/up M = 512 201.8 against 128.3,
 Mixtral-8x22B down M = 512 709.3 against 618.4); under one wave the splits still win (Mixtral-8x22B down M = 128,
 4 ways, 308.7 against 443.0 us unsplit at 128 rows).
-Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (estimate 34; 2 ways 36);
+Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (estimate 36; 2 ways 40);
 64 CTAs x 112 stages split 8 ways. H200, 2026-12-03 18:46 UTC (benchmarks/sweep_splits.py: 60 rows of M = 1-64,
 every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
 Mixtral-8x22B down M = 4: 2 ways 170 against 8 ways 139 us); on the same kind of sweep at 18:25 the previous rule
@@ -134,7 +139,7 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
-SPLIT_FILL_STAGES = 2  # the split estimate's stages per CTA for its pipeline fill and epilogue (docstring)
+SPLIT_FILL_STAGES = 4  # the split estimate's stages per CTA for its pipeline fill and epilogue (docstring)
 FULL_WAVE = 0.9  # a split 64-row pick becomes 128 rows unsplit where that grid fills this much of its waves
 
 
@@ -357,7 +362,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     max_split = max_split_k(k, base.ku)
     stages = -(-max(1, k // 32) // base.ku)
     if base.kind == "tc" and ctas >= slots:
-        max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's 2 stages (docstring)
+        max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's F stages (docstring)
     cost = [-(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))
     if heuristic and block_m == 64 and split > 1 and not act_order:

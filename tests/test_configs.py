@@ -95,9 +95,12 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
 def test_split_k_weighs_waves_against_short_slices(monkeypatch):
     monkeypatch.setattr(configs, "WARPS_K_EXTRA_STAGES", -1)  # the estimate itself (warps along K: the next test)
     # Mixtral-8x7B M = 1 (2 experts) on 528 decode slots (4 CTAs per SM): gate/up 448 CTAs of 32 stages fit one
-    # wave (estimate 34; 2 slices 2 waves of 16 stages, 36); down about 1.9 experts x 32 tiles = 60 CTAs of 112
+    # wave (estimate 36; 2 slices 2 waves of 16 stages, 40); down about 1.9 experts x 32 tiles = 60 CTAs of 112
     # stages: 8 slices (one wave); with act-order (3 CTAs per SM, 396 slots) 8 slices would take two waves, so 6
     assert configs.choose_config(1, 8, 2, 4096, 28672, 4, 128).split_k == 1
+    # gate/up M = 64: 1792 CTAs of 32 stages, whole 4 waves x 36 = 144, 2 slices 7 waves x 20 = 140: within 5%, so
+    # whole (with 2 fill stages, 136 against 126, it split, and 16 x 32 with warps along K ran 1.15x the time)
+    assert configs.choose_config(64, 8, 2, 4096, 28672, 4, 128).split_k == 1
     assert configs.choose_config(2, 8, 1, 14336, 4096, 4, 128).split_k == 8
     assert configs.choose_config(2, 8, 1, 14336, 4096, 4, 128, act_order=True).split_k == 6
     # the 128 x 256 prefill tile (one CTA per SM): 256 CTAs of 448 steps are two full waves, no split
