@@ -95,6 +95,13 @@ Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (
 every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
 Mixtral-8x22B down M = 4: 2 ways 170 against 8 ways 139 us); on the same kind of sweep at 18:25 the previous rule
 (3 CTAs per SM, touched = min(E, M*A)) took 1.032 (worst 1.55).
+A 2-way split of 16-row blocks with at most 8 rows per expert (the swapped-operand path) whose split grid fits one
+wave stays 16 x 128 instead of becoming warps along K: H200 2026-12-04 20:17 (bench_gemm.py, 112 decode rows, each
+timed twice), on the 12 such rows the plain split took 0.90-1.07 of the warps-along-K time, 0.95 on the geometric
+mean (Mixtral-8x7B down M = 16 72.5 -> 65.8 us, Qwen3-30B-A3B down M = 2 9.6 -> 8.7; Mixtral-8x22B down M = 4
+92.9 -> 99.0). Checked at 20:31-20:33 against the rule before, same call, twice each: the 12 rows 0.90-1.06, 0.955 on
+the geometric mean, the other 100 rows 0.99-1.01. Elsewhere the winner flipped from row to row (docs/performance.md,
+the 19:58 session).
 A 64-row pick that the estimate splits (a grid under half a wave: few experts, few column tiles) becomes 128 rows
 unsplit where that grid fills at least FULL_WAVE of its waves: one 64-k stage of a 128-row CTA alone on its SM takes
 about what a 32-k stage of one of two 64-row CTAs takes (H200 2026-12-04, 0.71 against 0.84 us), and the 128-row tile
@@ -369,6 +376,8 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
         big, big_ctas, big_slots = grid(128)
         if big_ctas >= FULL_WAVE * big_slots * -(-big_ctas // big_slots):
             return replace(big, split_k=1)  # a full unsplit wave of 128-row tiles (docstring)
+    if base.kind == "reg" and split == 2 and 2 * ctas <= slots and rows <= 8:
+        return replace(base, split_k=2)  # one wave of 2-way split 16 x 128 CTAs on the swapped path (docstring)
     return _split_warps(replace(base, split_k=split), k)
 
 

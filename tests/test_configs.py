@@ -113,7 +113,11 @@ def test_large_splits_of_16_row_blocks_become_warps_along_k():
     # Mixtral-8x7B down M = 64 (16 rows per expert): 2 ways; one 16 x 32 CTA of 4 warp slices instead
     cfg = configs.choose_config(128, 8, 1, 14336, 4096, 4, 128)
     assert (cfg.block_m, cfg.block_n, cfg.warps_k, cfg.split_k) == (16, 32, 4, 1)
-    # Mixtral-8x7B down M = 4: 3 ways; the same
+    # Mixtral-8x7B down M = 16 (4 rows per expert, the swapped path): 2 ways, 2 x 253 CTAs fit one wave of 528 slots:
+    # the split 16 x 128 stays
+    cfg = configs.choose_config(32, 8, 1, 14336, 4096, 4, 128)
+    assert (cfg.block_n, cfg.warps_k, cfg.split_k) == (128, 1, 2)
+    # Mixtral-8x7B down M = 4: 3 ways; 16 x 32 with warps along K
     cfg = configs.choose_config(8, 8, 1, 14336, 4096, 4, 128)
     assert (cfg.block_m, cfg.block_n, cfg.warps_k, cfg.split_k, cfg.threads) == (16, 32, 4, 1, 128)
     # Qwen3-30B-A3B down M = 1 (3 slices of 2 stages): the same
