@@ -351,20 +351,23 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
             return HOPPER_SHAPES[bm]
         return KERNEL_SHAPES[bm]
 
-    tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
-    if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
-        return _split_warps(replace(shape(tuned["block_m"]), split_k=tuned["split_k"]), k)
-    heuristic = block_m is None
-    if heuristic:
-        block_m = 16 if rows <= ROWS_16_MAX else 64 if rows <= ROWS_64_MAX else 128
-    elif block_m not in KERNEL_SHAPES:
-        raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
-
     def grid(bm):  # (shape, CTAs of the unsplit grid, resident slots)
         cfg = shape(bm)
         ctas = math.ceil(_blocks(touched, rows, cfg.block_m) * -(-n // cfg.block_n))
         return cfg, ctas, cfg.ctas_per_sm(act_order) * NUM_SMS
 
+    def split_shape(cfg, ctas, slots):  # cfg with its split, or the warps-along-K shape in its place (_split_warps)
+        return _split_warps(cfg, k, one_wave_swapped=2 * ctas <= slots and rows <= 8)
+
+    tuned = _tuned_entry(e, k, n, bits, group_size, m * a)
+    if tuned is not None and (block_m is None or block_m == tuned["block_m"]):
+        base, ctas, slots = grid(tuned["block_m"])
+        return split_shape(replace(base, split_k=tuned["split_k"]), ctas, slots)
+    heuristic = block_m is None
+    if heuristic:
+        block_m = 16 if rows <= ROWS_16_MAX else 64 if rows <= ROWS_64_MAX else 128
+    elif block_m not in KERNEL_SHAPES:
+        raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M}, got {block_m}")
     base, ctas, slots = grid(block_m)
     max_split = max_split_k(k, base.ku)
     stages = -(-max(1, k // 32) // base.ku)
@@ -376,16 +379,17 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
         big, big_ctas, big_slots = grid(128)
         if big_ctas >= FULL_WAVE * big_slots * -(-big_ctas // big_slots):
             return replace(big, split_k=1)  # a full unsplit wave of 128-row tiles (docstring)
-    if base.kind == "reg" and split == 2 and 2 * ctas <= slots and rows <= 8:
-        return replace(base, split_k=2)  # one wave of 2-way split 16 x 128 CTAs on the swapped path (docstring)
-    return _split_warps(replace(base, split_k=split), k)
+    return split_shape(replace(base, split_k=split), ctas, slots)
 
 
-def _split_warps(cfg: GemmConfig, k: int) -> GemmConfig:
+def _split_warps(cfg: GemmConfig, k: int, one_wave_swapped: bool = False) -> GemmConfig:
     """SPLIT_WARPS_SHAPES[block_m] (one CTA per column strip) in place of a split shape whose K slices its warps'
-    slices exceed by at most WARPS_K_EXTRA_STAGES stages (see there)."""
+    slices exceed by at most WARPS_K_EXTRA_STAGES stages (see there); not for a 2-way split whose split grid fits one
+    wave with at most 8 rows per expert (one_wave_swapped: the swapped-operand path; module docstring)."""
     alt = SPLIT_WARPS_SHAPES.get(cfg.block_m)
     if alt is None or cfg.kind != "reg" or cfg.split_k < 2 or WARPS_K_EXTRA_STAGES < 0:
+        return cfg
+    if cfg.split_k == 2 and one_wave_swapped:
         return cfg
     stages = -(-max(1, k // 32) // alt.ku)
     if -(-stages // alt.warps_k) > -(-stages // cfg.split_k) + WARPS_K_EXTRA_STAGES:

@@ -417,21 +417,22 @@ def _dequantize_expert(weight, expert):
 _PAIR_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])
 
 
+def _permute_runs(x, order):
+    """x [..., K] (K a multiple of 8, NumPy or CuPy) with position j of every run of 8 columns taken from order[j]."""
+    if x.shape[-1] % 8:
+        raise ValueError(f"x: expected a last dimension that is a multiple of 8, got shape {x.shape}")
+    return x.reshape(*x.shape[:-1], -1, 8)[..., order.tolist()].reshape(x.shape)
+
+
 def to_pair_order(x):
     """[..., K] (K a multiple of 8) -> the same values with every run of 8 columns in pair order k0 k4 k1 k5 ...
     Works on NumPy and CuPy arrays alike (returns a new array of the same kind)."""
-    if x.shape[-1] % 8:
-        raise ValueError(f"x: expected a last dimension that is a multiple of 8, got shape {x.shape}")
-    runs = x.reshape(*x.shape[:-1], -1, 8)
-    return runs[..., _PAIR_ORDER.tolist()].reshape(x.shape)
+    return _permute_runs(x, _PAIR_ORDER)
 
 
 def from_pair_order(x):
     """The inverse of to_pair_order."""
-    if x.shape[-1] % 8:
-        raise ValueError(f"x: expected a last dimension that is a multiple of 8, got shape {x.shape}")
-    runs = x.reshape(*x.shape[:-1], -1, 8)
-    return runs[..., np.argsort(_PAIR_ORDER).tolist()].reshape(x.shape)
+    return _permute_runs(x, np.argsort(_PAIR_ORDER))
 
 
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,

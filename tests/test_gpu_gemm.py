@@ -144,7 +144,7 @@ def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs, monkeyp
     for stages, ku in ((2, 4), (3, 2)):
         wk = replace(configs.DECODE_WK, stages=stages, ku=ku)
         # every 16-row split becomes round(split / 4) CTAs of 4 warp slices (the heuristic keeps one CTA)
-        monkeypatch.setattr(configs, "_split_warps", lambda cfg, k, wk=wk: replace(
+        monkeypatch.setattr(configs, "_split_warps", lambda cfg, k, wk=wk, **_: replace(
             wk, split_k=max(1, round(cfg.split_k / wk.warps_k))) if cfg.block_m == 16 else cfg)
         for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 4096, 96), (8, 9, 2, 768, 96), (2, 5, 1, 1120, 288)):
             case = dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
