@@ -28,7 +28,7 @@ docs/performance.md):
 - A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
   CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:26 UTC) the 128-column shape at 4 CTAs per SM
   then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
-  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance.md, 18:16-18:55).
+  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance-history.md, 18:16-18:55).
 - `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
   `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
   cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
@@ -62,7 +62,10 @@ decode loop lost another 16% of its instructions: 2026-12-04 18:01 UTC, `python 
 against 134.0 us, down 64.2 against 70.7). The 32-row block (`moe_gemm_ws` on sm_90a, else `moe_gemm` with two m16
 tiles) is no longer picked by the heuristic: in the same tune run it lost at 24 rows (above) and at 32 rows to the
 64-row tile (Qwen2-57B-A14B gate/up M = 256 561.0 against 411.9 us; DeepSeek-V3 gate/up M = 1024 3428.5 against
-2630.4); it stays for `block_m=32` and the tuner. r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row
+2630.4); it stays for `block_m=32` and the tuner. A
+32-row `moe_gemm` block that runs only its first m16 tile when rows 16..31 are padding (branch half32) took 0.96-1.26
+of the 16-row time, 1.12 on the geometric mean, on the 28 rows with 8-24 rows per expert where it was tried (H200,
+2026-12-04 21:36, docs/performance.md): at 188 registers half as many warps fit per SM. r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row
 tile beats two 64-row tiles, Qwen2-57B-A14B gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3
 gate/up M = 4096 7901 against 8496 us in the benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40
 against 96: with 68 and 96 rows per expert the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182
