@@ -55,27 +55,27 @@ docs/performance.md):
   against 2885 us).
 
 Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 24 -> 16 (H200, 2026-12-03 20:03 UTC,
-after the decode kernel lost 40% of its instructions: two 16-row blocks per expert beat one 32-row ws block on 9 of
-11 rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256 220
+after the decode kernel lost 40% of its instructions: two 16-row blocks per expert beat one 32-row ws block on 9 of 11
+rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256 220
 against 262 us; the exception, DeepSeek-V2-Lite gate/up M = 256 at 24 rows, 140 against 133 us, turned after the
 decode loop lost another 16% of its instructions: 2026-12-04 18:01 UTC, `python -m cupy_moe tune --dry-run`, 117.5
 against 134.0 us, down 64.2 against 70.7). The 32-row block (`moe_gemm_ws` on sm_90a, else `moe_gemm` with two m16
 tiles) is no longer picked by the heuristic: in the same tune run it lost at 24 rows (above) and at 32 rows to the
 64-row tile (Qwen2-57B-A14B gate/up M = 256 561.0 against 411.9 us; DeepSeek-V3 gate/up M = 1024 3428.5 against
-2630.4); it stays for `block_m=32` and the tuner. A
-32-row `moe_gemm` block that runs only its first m16 tile when rows 16..31 are padding (branch half32) took 0.96-1.26
-of the 16-row time, 1.12 on the geometric mean, on the 28 rows with 8-24 rows per expert where it was tried (H200,
-2026-12-04 21:36, docs/performance.md): at 188 registers half as many warps fit per SM. r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row
-tile beats two 64-row tiles, Qwen2-57B-A14B gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3
-gate/up M = 4096 7901 against 8496 us in the benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40
-against 96: with 68 and 96 rows per expert the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182
-against 217 us) and 0.53/0.82 (DeepSeek-V2-Lite, 224 against 424 us) of the time: binomial routing puts many experts
-past 64 rows, and a second, mostly empty 64-row block dequantizes the expert's weights again; 128 x 128 tiles lost to
-128 x 256 on all ten of these rows. Since the tc kernel loads a stage's raw words in one batch (2026-12-04
-15:49-15:52, --rows-64-max 24 against 80): at 32 and 48 rows per expert the 64-row tile takes 0.79-0.91 of the
-128-row time (Qwen3-30B-A3B gate/up M = 768 150.7 against 186.1 us), at 64 rows the 128-row tile takes 0.85-0.91
-(Qwen3-30B-A3B gate/up M = 1024 190.7 against 225.0 us) and 0.66 (Mixtral-8x7B gate/up M = 256, 405.5 against 611.9
-us); 56 is between, where about 1 expert in 8 would need a second 64-row block).
+2630.4); it stays for `block_m=32` and the tuner. A 32-row `moe_gemm` block that runs only its first m16 tile when
+rows 16..31 are padding (branch half32) took 0.96-1.26 of the 16-row time, 1.12 on the geometric mean, on the 28 rows
+with 8-24 rows per expert where it was tried (H200, 2026-12-04 21:36, docs/performance.md): at 188 registers half as
+many warps fit per SM. r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles,
+Qwen2-57B-A14B gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against
+8496 us in the benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40 against 96: with 68 and 96 rows
+per expert the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182 against 217 us) and 0.53/0.82
+(DeepSeek-V2-Lite, 224 against 424 us) of the time: binomial routing puts many experts past 64 rows, and a second,
+mostly empty 64-row block dequantizes the expert's weights again; 128 x 128 tiles lost to 128 x 256 on all ten of
+these rows. Since the tc kernel loads a stage's raw words in one batch (2026-12-04 15:49-15:52, --rows-64-max 24
+against 80): at 32 and 48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time (Qwen3-30B-A3B gate/up M
+= 768 150.7 against 186.1 us), at 64 rows the 128-row tile takes 0.85-0.91 (Qwen3-30B-A3B gate/up M = 1024 190.7
+against 225.0 us) and 0.66 (Mixtral-8x7B gate/up M = 256, 405.5 against 611.9 us); 56 is between, where about 1 expert
+in 8 would need a second 64-row block).
 Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
 phase passes M*A rows with A = 1); `min(E, M*A)` overestimated small batches (Mixtral M = 4: 8 against 5.5).
 split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
@@ -158,8 +158,8 @@ class GemmConfig:
     """Template parameters of one `moe_gemm` instance plus the run-time split-K factor.
 
     block_m = warps_m * mt * 16 rows of one expert per CTA (= the align block size B);
-    block_n = warps_n * ng * 32 columns per CTA (kind "ws": 128 * ng); ku = 32-wide K chunks per pipeline stage; stages = depth of the
-    cp.async ring (stages - 1 stages in flight while one computes).
+    block_n = warps_n * ng * 32 columns per CTA (kind "ws": 128 * ng); ku = 32-wide K chunks per pipeline stage;
+    stages = depth of the cp.async ring (stages - 1 stages in flight while one computes).
     """
     mt: int
     warps_m: int
@@ -411,7 +411,8 @@ def expected_experts(m: int, e: int, a: int) -> float:
 
 
 def max_split_k(k: int, ku: int) -> int:
-    """The most K slices of a shape with `ku` 32-k chunks per stage: each keeps at least 2 stages, at most _MAX_SPLIT."""
+    """The most K slices of a shape with `ku` 32-k chunks per stage: each keeps at least 2 stages, at most
+    _MAX_SPLIT."""
     return max(1, min(_MAX_SPLIT, (k // 32) // (2 * ku)))
 
 
