@@ -48,8 +48,10 @@ def check(cfgs):
     rng = np.random.default_rng(3)
     try:
         for cfg in cfgs:
-            for bits, dt, n, gs, sym, act in ((4, "float16", 288, 128, False, False), (8, "bfloat16", 96, 32, True, False),
-                                              (4, "bfloat16", 1056, -1, False, False), (4, "float16", 96, 64, False, True)):
+            for bits, dt, n, gs, sym, act in ((4, "float16", 288, 128, False, False),
+                                              (8, "bfloat16", 96, 32, True, False),
+                                              (4, "bfloat16", 1056, -1, False, False),
+                                              (4, "float16", 96, 64, False, True)):
                 t.run_case(rng, e=4, m=300 if cfg.block_m > 16 else 5, a=2, k=1408, n=n, bits=bits, group_size=gs,
                            sym=sym, act_order=act, dtype_name=dt, routed=True, kind="uniform", block_m=cfg.block_m)
     except Exception as exc:  # a wrong or failing candidate must not become a default

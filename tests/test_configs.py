@@ -215,7 +215,8 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
     assert not configs.hopper_enabled("sm_90a")
     monkeypatch.setenv("CUPY_MOE_HOPPER", "1")
-    assert configs.hopper_enabled("sm_90a") and not configs.hopper_enabled("sm_90") and not configs.hopper_enabled("sm_80")
+    assert configs.hopper_enabled("sm_90a")
+    assert not configs.hopper_enabled("sm_90") and not configs.hopper_enabled("sm_80")
 
 
 def test_default_tiles_fit_one_sm():

@@ -367,7 +367,8 @@ def test_concat_n_device_placement_must_agree(fake_device):
 def test_from_safetensors_delegates_to_checkpoint(monkeypatch):
     calls = []
     fake = types.ModuleType("cupy_moe.checkpoint")
-    fake.load_stacked = lambda path, layer, proj, *, device, scheme: calls.append((path, layer, proj, device, scheme)) or "w"
+    fake.load_stacked = (lambda path, layer, proj, *, device, scheme:
+                         calls.append((path, layer, proj, device, scheme)) or "w")
     monkeypatch.setitem(sys.modules, "cupy_moe.checkpoint", fake)
     assert StackedGptqWeight.from_safetensors("ckpt", 3, "w13", device=False, scheme="s") == "w"
     assert StackedGptqWeight.from_safetensors("ckpt", 0, "w2") == "w"
