@@ -72,8 +72,8 @@ per expert the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182 
 (DeepSeek-V2-Lite, 224 against 424 us) of the time: binomial routing puts many experts past 64 rows, and a second,
 mostly empty 64-row block dequantizes the expert's weights again; 128 x 128 tiles lost to 128 x 256 on all ten of
 these rows. Since the tc kernel loads a stage's raw words in one batch (2026-12-04 15:49-15:52, --rows-64-max 24
-against 80): at 32 and 48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time (Qwen3-30B-A3B gate/up M
-= 768 150.7 against 186.1 us), at 64 rows the 128-row tile takes 0.85-0.91 (Qwen3-30B-A3B gate/up M = 1024 190.7
+against 80): at 32 and 48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time (Qwen3-30B-A3B gate/up
+M = 768 150.7 against 186.1 us), at 64 rows the 128-row tile takes 0.85-0.91 (Qwen3-30B-A3B gate/up M = 1024 190.7
 against 225.0 us) and 0.66 (Mixtral-8x7B gate/up M = 256, 405.5 against 611.9 us); 56 is between, where about 1 expert
 in 8 would need a second 64-row block).
 Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
