@@ -412,27 +412,25 @@ def _dequantize_expert(weight, expert):
                       bits=weight.bits, group_size=weight.group_size, checkpoint_format="gptq_v2")
 
 
-# Pair order (the 4-bit kernels' activation layout, see fused_moe_gemm's a_pair_order): position j of every run of 8
-# columns holds column _PAIR_ORDER[j] of the run, i.e. k0 k4 k1 k5 k2 k6 k3 k7.
-_PAIR_ORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])
-
-
-def _permute_runs(x, order):
-    """x [..., K] (K a multiple of 8, NumPy or CuPy) with position j of every run of 8 columns taken from order[j]."""
+def _swap_runs(x, a, b):
+    """x [..., K] (K a multiple of 8, NumPy or CuPy) with every run of 8 columns seen as [a][b] and stored as [b][a]
+    (a * b = 8): a new array. A transpose, so CuPy needs no index array on the device (one copy kernel, which a CUDA
+    graph can capture)."""
     if x.shape[-1] % 8:
         raise ValueError(f"x: expected a last dimension that is a multiple of 8, got shape {x.shape}")
-    return x.reshape(*x.shape[:-1], -1, 8)[..., order.tolist()].reshape(x.shape)
+    return x.reshape(*x.shape[:-1], -1, a, b).swapaxes(-1, -2).reshape(x.shape)
 
 
 def to_pair_order(x):
-    """[..., K] (K a multiple of 8) -> the same values with every run of 8 columns in pair order k0 k4 k1 k5 ...
+    """[..., K] (K a multiple of 8) -> the same values with every run of 8 columns in pair order
+    k0 k4 k1 k5 k2 k6 k3 k7, the 4-bit kernels' activation layout (fused_moe_gemm's a_pair_order).
     Works on NumPy and CuPy arrays alike (returns a new array of the same kind)."""
-    return _permute_runs(x, _PAIR_ORDER)
+    return _swap_runs(x, 2, 4)  # [half][j] = k(4 half + j) -> position 2j + half
 
 
 def from_pair_order(x):
     """The inverse of to_pair_order."""
-    return _permute_runs(x, np.argsort(_PAIR_ORDER))
+    return _swap_runs(x, 4, 2)
 
 
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
