@@ -271,3 +271,18 @@ def test_benchmark_verdicts():
     assert bench_gemm.verdict(row(256, 500.0, **between), "issue3")  # issue 3 has no rule between the regimes
     assert bench_gemm.verdict(row(1, 50.0, baseline_ratio=float("nan")), "issue3")  # --no-baseline: not judged
     assert not bench_gemm.verdict(row(1, 50.0, baseline_ratio=float("nan"), floor_ratio=0.3), "issue3")
+
+
+def test_benchmark_marks_targets_under_the_traffic_floor():
+    """A prefill row whose FLOPs at the bar's share of the matmul rate take less time than moving its bytes."""
+    import sys
+    from pathlib import Path
+    pytest.importorskip("cupy")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_gemm
+
+    # 100 us at 0.35 of the matmul rate: the issue-6 target is 50 us, the issue-3 target 87.5 us
+    row = dict(m=1024, time_us=100.0, flop_ratio=0.35, traffic_floor_us=60.0)
+    assert bench_gemm.target_under_floor(row, "issue6") and not bench_gemm.target_under_floor(row, "issue3")
+    assert not bench_gemm.target_under_floor(dict(row, traffic_floor_us=49.0), "issue6")
+    assert not bench_gemm.target_under_floor(dict(row, m=512), "issue6")  # decode and between rows: no FLOP target
