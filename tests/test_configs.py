@@ -286,3 +286,8 @@ def test_benchmark_marks_targets_under_the_traffic_floor():
     assert bench_gemm.target_under_floor(row, "issue6") and not bench_gemm.target_under_floor(row, "issue3")
     assert not bench_gemm.target_under_floor(dict(row, traffic_floor_us=49.0), "issue6")
     assert not bench_gemm.target_under_floor(dict(row, m=512), "issue6")  # decode and between rows: no FLOP target
+    rows = [{"pass": True, "pass_issue3": True, "target_under_floor": False},
+            {"pass": False, "pass_issue3": True, "target_under_floor": True}]
+    assert bench_gemm.summary(rows, "issue6") == ("# 1/2 rows meet the issue6 bar; 2/2 meet the issue3 bar; 1 prefill "
+                                                  "rows have a target shorter than their traffic floor")
+    assert bench_gemm.summary(rows[:1], "issue3") == "# 1/1 rows meet the issue3 bar"
