@@ -1,117 +1,38 @@
 """Tile choice for the fused GPTQ MoE GEMM, in one place.
 
-Three kernels (kernels/moe_gemm.cu), measured on an H200 by benchmarks/bench_gemm.py / sweep_tiles.py (see
-docs/performance.md):
+Three kernels (kernels/moe_gemm.cu):
 
-- `moe_gemm` ("reg", decode, `block_m` 16): one m16 tile per CTA, 4 warps side by side over 128 columns, 4 K chunks
-  (128 k) per pipeline stage, a warp-private cp.async weight ring (`stages - 1` stages in flight; scales and zeros in
-  registers one stage ahead, activations loaded at the top of their own stage); each lane dequantizes its own B
-  fragments in registers. When a stage lies in one group and every stage is whole (G and K multiples of 128: group
-  mode 1) scale/zero are unpacked once per stage, the weights are dequantized to q - z exactly and the scale is
-  applied to the stage's fp32 sums (one FFMA per accumulator per stage instead of one HMUL2 per weight pair); else
-  once per 32-k chunk (mode 0); act-order (g_idx) is mode 2. Split-K fills the SMs when few experts are touched.
-  Without act-order the instance is compiled for 4 CTAs per SM (at most 128 registers, GemmConfig.min_ctas); the
-  others fit 3. H200, 2026-12-03 20:00 UTC (benchmarks/ab_kernels.sh, 48 decode rows): the group-mode-1 loop at
-  375 SASS instructions per stage instead of 630 took 0.77-0.94 of the time on all 44 16-row rows. (Measured
-  2026-12-03: carrying activations, scales and zeros in the ring too, with one CTA barrier per stage, was 2.3% slower
-  on the geometric mean of the six sweep rows at its best depth, 3 stages; 16% slower at Mixtral-8x7B M = 64.)
-  2026-12-04 17:55 UTC (same-run A/B, 40 decode rows): ring offsets from one base per stage, one slice test per stage
-  and clamped columns instead of per-chunk tests cut the loop to 326 instructions per stage (from 387); 0.85-0.95 of
-  the time on most rows (DeepSeek-V3 down M = 16 272 -> 236 us, Mixtral-8x7B gate/up M = 1 49.5 -> 45.3).
-  A 16-row block with at most 8 rows (M = 1, few tokens per expert) swaps the mma operands: weights as the m16 side,
-  rows as the n8 side, half the mmas (271 instructions per stage instead of 324); 2026-12-04 18:12 UTC, same-run
-  A/B: Mixtral-8x7B gate/up M = 1 45.0 -> 35.5 us, DeepSeek-V3 gate/up M = 64 1064 -> 859.
-- `moe_gemm` with warps along K (`warps_k` 4, 16 x 32, DECODE_WK): the CTA's 4 warps take 4 K slices of the same
-  32 columns and sum them in shared memory in a fixed order. It replaces the 16 x 128 shape where the split estimate
-  cuts K 2 or more ways and 4 warp slices are at most one stage longer (WARPS_K_EXTRA_STAGES below): about the same
-  warps per column strip, without split-K's partials in global memory.
-- A 16 x 256 variant of it (two 32-column groups per warp) was the shape for 16-row problems with at least 1024
-  CTAs until 4 CTAs per SM fitted: on the H200 (2026-12-03 18:24-18:26 UTC) the 128-column shape at 4 CTAs per SM
-  then took 0.95-1.00 of its time on the 13 such rows measured (DeepSeek-V3 gate/up M = 64 1511 against 1588 us,
-  Qwen3-235B-A22B gate/up M = 64 384 against 405 us), so it was removed (docs/performance-history.md, 18:16-18:55).
-- `moe_gemm_tc` ("tc", prefill, no act-order): 8 warps, 64 x 256 or 128 x 256 tiles; a cp.async ring of stages of
-  `ku` 32-k steps; the CTA dequantizes each weight once into one of two shared-memory B buffers while the tensor
-  cores work on the previous stage from the other (wgmma on sm_90a, issued asynchronously and kept in flight across
-  the next barrier; ldmatrix + mma.sync elsewhere). The tiles are 256 wide: the gathered activation rows are re-read
-  from L2 once per column tile, and 256 columns halve that traffic. Measured on the H200 (benchmarks/sweep_tiles.py,
-  2026-12-03 09:50 UTC): 128 x 256 with 4 stages of 64 k beat 6 stages of 32 k by 9-11% (Mixtral-8x7B gate/up
-  M = 4096 5839 against 6532 us; Qwen3-30B-A3B gate/up M = 4096 801 against 885 us); the 64 x 256 tile keeps 6
-  stages of 32 k (two CTAs per SM). Rechecked after the copy code was made lean (16:20 UTC, 16 prefill rows):
-  64-k stages for the 64-row tile (one CTA per SM) 16-26% slower, 5 stages for the 128-row tile 0-2.4% slower,
-  8 stages for the 64-row tile within 2%. Act-order weights at these block sizes run `moe_gemm` with the
-  ACT_ORDER shapes below instead.
+- `moe_gemm` (kind "reg", decode, 16- and 32-row blocks): warps side by side over 128 columns (DECODE, 16 x 128)
+  or along K (DECODE_WK, 16 x 32 with 4 warps on 4 K slices summed in shared memory in a fixed order); a
+  warp-private cp.async weight ring; each lane dequantizes its B fragments in registers. A 16-row block with at
+  most 8 rows swaps the mma operands (weights as the m16 side). `GemmConfig.group_mode` says how the scales are
+  applied, LAUNCH_BOUNDS how many CTAs per SM the registers must allow.
+- `moe_gemm_tc` (kind "tc", prefill, 64 x 256 and 128 x 256): each weight is dequantized once into a shared-memory
+  B tile; wgmma on sm_90a, ldmatrix + mma.sync elsewhere. Act-order weights at these block sizes run the
+  `moe_gemm` shapes of ACT_ORDER_SHAPES.
+- `moe_gemm_ws` (kind "ws", sm_90a only): the operands swapped, weights dequantized straight into wgmma's register
+  A operand. HOPPER_SHAPES maps block sizes to it (32 rows: WS_32); off sm_90a, with act-order or with pair-ordered
+  activations the portable shape of that block size runs instead.
 
-- `moe_gemm_ws` ("ws", sm_90a, no act-order; WS_32 runs the 32-row blocks there): the operands swapped, out^T =
-  W^T a^T. Each thread dequantizes its columns' weights straight into the register A fragment of m64nTk16 wgmma ops
-  (T = the block's rows), the activation rows are the shared-memory B operand; 8 warps, 32 x 256 tiles, 6 stages
-  of 32 k, two CTAs per SM (WS_RESIDENT_PER_SM). H200, 2026-12-03 17:15-17:18 UTC (bench_gemm.py --tiles, one
-  call each): on the twelve 32-row rows (Mixtral M = 64, four many-expert models at M = 256) 0.80-0.91 of the
-  `moe_gemm` 32 x 128 time on nine (Qwen3-235B-A22B gate/up M = 256 504 against 634 us, Mixtral-8x7B down M = 64
-  177 against 197 us), slower on three that the split heuristic then cut 3 ways (Qwen1.5-MoE-A2.7B down M = 256
-  103 against 90 us); the split estimate now counts two resident CTAs for it, which picks fewer slices there, and
-  the full benchmark at 17:28 had all twelve at 0.71-0.94 of their 16:14 times.
-  At 16 rows it lost to `moe_gemm` on all 12 rows tried (Qwen1.5-MoE-A2.7B down M = 64 71 against 54 us); at 64
-  and 128 rows to the tc kernel, the better of two shapes each by 3-27% (DeepSeek-V3 gate/up M = 1024 3236
-  against 2885 us).
+The heuristic (`choose_config`), with P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched
+rows per touched expert:
 
-Heuristic: rows per touched expert r = P / touched (below) with P = M * A: r <= 24 -> 16 (H200, 2026-12-03 20:03 UTC,
-after the decode kernel lost 40% of its instructions: two 16-row blocks per expert beat one 32-row ws block on 9 of 11
-rows with 16-24 rows per expert, Mixtral-8x22B gate/up M = 64 421 against 498 us, Qwen3-235B-A22B down M = 256 220
-against 262 us; the exception, DeepSeek-V2-Lite gate/up M = 256 at 24 rows, 140 against 133 us, turned after the
-decode loop lost another 16% of its instructions: 2026-12-04 18:01 UTC, `python -m cupy_moe tune --dry-run`, 117.5
-against 134.0 us, down 64.2 against 70.7). The 32-row block (`moe_gemm_ws` on sm_90a, else `moe_gemm` with two m16
-tiles) is no longer picked by the heuristic: in the same tune run it lost at 24 rows (above) and at 32 rows to the
-64-row tile (Qwen2-57B-A14B gate/up M = 256 561.0 against 411.9 us; DeepSeek-V3 gate/up M = 1024 3428.5 against
-2630.4); it stays for `block_m=32` and the tuner. A 32-row `moe_gemm` block that runs only its first m16 tile when
-rows 16..31 are padding (branch half32) took 0.96-1.26 of the 16-row time, 1.12 on the geometric mean, on the 28 rows
-with 8-24 rows per expert where it was tried (H200, 2026-12-04 21:36, docs/performance.md): at 188 registers half as
-many warps fit per SM. r <= 56 -> 64, else 128 (H200, 2026-12-03: at 128 rows one 128-row tile beats two 64-row tiles,
-Qwen2-57B-A14B gate/up M = 1024 1317 against 1378 us in the 11:30 sweep, DeepSeek-V3 gate/up M = 4096 7901 against
-8496 us in the benchmark; at 256 rows by 10-11%. 23:50 UTC, M = 1024, --rows-64-max 40 against 96: with 68 and 96 rows
-per expert the 128-row tile took 0.84/0.93 (Qwen1.5-MoE-A2.7B gate/up/down, 182 against 217 us) and 0.53/0.82
-(DeepSeek-V2-Lite, 224 against 424 us) of the time: binomial routing puts many experts past 64 rows, and a second,
-mostly empty 64-row block dequantizes the expert's weights again; 128 x 128 tiles lost to 128 x 256 on all ten of
-these rows. Since the tc kernel loads a stage's raw words in one batch (2026-12-04 15:49-15:52, --rows-64-max 24
-against 80): at 32 and 48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time (Qwen3-30B-A3B gate/up
-M = 768 150.7 against 186.1 us), at 64 rows the 128-row tile takes 0.85-0.91 (Qwen3-30B-A3B gate/up M = 1024 190.7
-against 225.0 us) and 0.66 (Mixtral-8x7B gate/up M = 256, 405.5 against 611.9 us); 56 is between, where about 1 expert
-in 8 would need a second 64-row block).
-Touched experts: the expected number of distinct experts under uniform routing, E * (1 - (1 - A/E)^M) (the down
-phase passes M*A rows with A = 1); `min(E, M*A)` overestimated small batches (Mixtral M = 4: 8 against 5.5).
-split_k (deterministic: partials reduced in fixed order by the last CTA of each tile, no atomics on outputs): at most
-16 slices of at least 2 stages each; the fewest within 5% of the least estimate waves x (stages per slice + F), with
-waves = ceil(CTAs / resident slots), slots = CTAs per SM x NUM_SMS, and F = SPLIT_FILL_STAGES = 4 stages for a CTA's
-pipeline fill, epilogue and partial round trip. Short slices cost (a fresh CTA starts with an empty pipeline) and so
-does a nearly empty last wave. F was 2 until 2026-12-04 20:17 UTC (H200, bench_gemm.py --m 1,2,4,8,16,32,64
---split-fill-stages 4 against 2, 112 decode rows, each timed twice, interleaved): with 4 the picks took 0.85-1.08 of
-the time, 0.994 on the geometric mean; 10 rows gained more than 3% (DeepSeek-V2-Lite down M = 4 16.4 -> 14.0 us,
-Mixtral-8x7B gate/up M = 64 233.5 -> 203.4, unsplit 16 x 128 instead of 16 x 32 with warps along K), one lost
-(Qwen3-235B-A22B gate/up M = 2 34.5 -> 37.2).
-The tc tiles (64 and 128 rows) split only grids of less than one wave: their fp32 partial tiles (64-128 KB per
-CTA, written, then read by the last CTA) cost far more than F stages. H200, 2026-12-04 15:59-16:03 (python -m
-cupy_moe tune, all splits timed): on grids of one wave or more, split 2 took 1.04-1.57 of the unsplit time
-(Qwen2-57B-A14B down M = 256 310.6 against 212.8 us, Qwen1.5-MoE-A2.7B gate/up M = 512 201.8 against 128.3,
-Mixtral-8x22B down M = 512 709.3 against 618.4); under one wave the splits still win (Mixtral-8x22B down M = 128,
-4 ways, 308.7 against 443.0 us unsplit at 128 rows).
-Examples (16-row decode at 4 bits, 528 slots): 448 CTAs x 32 stages stay whole (estimate 36; 2 ways 40);
-64 CTAs x 112 stages split 8 ways. H200, 2026-12-03 18:46 UTC (benchmarks/sweep_splits.py: 60 rows of M = 1-64,
-every split 1-8 timed): the rule's pick took 1.016 of the fastest split's time on the geometric mean (worst 1.234,
-Mixtral-8x22B down M = 4: 2 ways 170 against 8 ways 139 us); on the same kind of sweep at 18:25 the previous rule
-(3 CTAs per SM, touched = min(E, M*A)) took 1.032 (worst 1.55).
-A 2-way split of 16-row blocks with at most 8 rows per expert (the swapped-operand path) whose split grid fits one
-wave stays 16 x 128 instead of becoming warps along K: H200 2026-12-04 20:17 (bench_gemm.py, 112 decode rows, each
-timed twice), on the 12 such rows the plain split took 0.90-1.07 of the warps-along-K time, 0.95 on the geometric
-mean (Mixtral-8x7B down M = 16 72.5 -> 65.8 us, Qwen3-30B-A3B down M = 2 9.6 -> 8.7; Mixtral-8x22B down M = 4
-92.9 -> 99.0). Checked at 20:31-20:33 against the rule before, same call, twice each: the 12 rows 0.90-1.06, 0.955 on
-the geometric mean, the other 100 rows 0.99-1.01. Elsewhere the winner flipped from row to row (docs/performance.md,
-the 19:58 session).
-A 64-row pick that the estimate splits (a grid under half a wave: few experts, few column tiles) becomes 128 rows
-unsplit where that grid fills at least FULL_WAVE of its waves: one 64-k stage of a 128-row CTA alone on its SM takes
-about what a 32-k stage of one of two 64-row CTAs takes (H200 2026-12-04, 0.71 against 0.84 us), and the 128-row tile
-has no fp32 partials. H200, 2026-12-04 19:19 (abk/splits.py): Mixtral-8x7B down M = 128 (128 CTAs of 128 rows) 64 x S2
-187.8 us, 128 x S1 159.7; Mixtral-8x22B down M = 128 (192 CTAs: 0.73 of two waves) 64 x S4 309.7, 128 x S1 361.6.
-`block_m` is the align block size of that phase: `moe_align_block_size` takes it (fused_moe aligns a second time
-when its two phases pick different sizes).
+1. block_m = 16 for r <= ROWS_16_MAX (24), 64 for r <= ROWS_64_MAX (56), else 128. No 32-row block by default.
+2. split_k: the fewest K slices (each at least 2 stages, at most 16) whose estimate
+   waves x (stages per slice + SPLIT_FILL_STAGES) is within 5% of the least, with
+   waves = ceil(CTAs x slices / (ctas_per_sm x NUM_SMS)). The tc tiles split only grids of less than one wave.
+   Split-K is deterministic: each tile's last CTA sums the fp32 partials in slice order; no atomics on outputs.
+3. A split 64-row pick (no act-order) becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE
+   of its waves.
+4. A split 16-row pick becomes DECODE_WK, one CTA per column strip, where its warps' slices are at most
+   WARPS_K_EXTRA_STAGES stages longer than the split's; except a 2-way split whose grid fits one wave with at most
+   8 rows per expert (the swapped path), which stays 16 x 128.
+5. An entry of `python -m cupy_moe tune` for this GPU and problem (block_m and split_k) wins over rules 1-3; rule 4
+   still applies to it. A `block_m` passed in skips rules 1 and 3.
+
+`block_m` is the align block size of that phase (`moe_align_block_size` takes it; fused_moe aligns a second time
+when its two phases pick different sizes). Every rule and constant here was measured on an H200: the same-run
+A/Bs behind them are in docs/heuristic.md.
 """
 from __future__ import annotations
 
@@ -142,14 +63,14 @@ MODEL_SHAPES = {
 NUM_SMS = 132        # H100/H200; only used for the split-K estimate
 # CTAs resident per SM for each block_m without a launch bound (shared memory / registers of the default shapes,
 # ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256
-# (about 190 registers): 1. GemmConfig.min_ctas raises the decode shapes' to their launch bounds.
+# (about 210 registers): 1. GemmConfig.min_ctas raises the decode shapes' to their launch bounds.
 RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 # moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng, warps_k): 16 x 128 and 16 x 32 x 4
 # at most 128 registers, 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
-SPLIT_FILL_STAGES = 4  # the split estimate's stages per CTA for its pipeline fill and epilogue (docstring)
+SPLIT_FILL_STAGES = 4  # the split estimate's stages per CTA for its pipeline fill, epilogue and partials
 FULL_WAVE = 0.9  # a split 64-row pick becomes 128 rows unsplit where that grid fills this much of its waves
 
 
@@ -263,27 +184,16 @@ KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
                     128: GemmConfig(mt=4, warps_m=2, warps_n=4, ng=1, ku=1, stages=4)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
-# The 16-row decode shape with its K slices as the warps of one CTA (16 x 32, 4 warps along K, summed in shared
-# memory), in place of split-K where the estimate cuts K 2 or more ways and a warp's slice is at most
-# WARPS_K_EXTRA_STAGES stages longer than a split slice (always for splits of 2-4): one CTA per column strip instead
-# of split CTAs whose partials go through global memory (fence, ticket, the last CTA's reads). H200, 2026-12-04,
-# same-run A/B of decode rows (benchmarks/bench_gemm.py --warps-k-extra-stages): splits of 3-4 took 0.82-1.02 of the
-# time (10:27 and 10:32 UTC, geometric mean 0.93, 20 rows; Qwen1.5-MoE-A2.7B down M = 1 6.3 against 7.6 us), splits
-# of 2 0.83-1.03 (10:32, 0.96, 35 rows; Mixtral-8x7B down M = 64 134.4 against 162.3 us). Longer splits: a split of
-# 6 on short K (Qwen1.5-MoE-A2.7B gate/up M = 1, 16 stages: 4 per warp against 3) 9.4 against 10.8 us (10:32, as a
-# tuned entry); a split of 5 on long K (Mixtral-8x22B down M = 1, 128 stages: 32 per warp against 26) 48.6 against
-# 45.3 us, hence the rule. Kept as round(split / 4) CTAs of 4 warps, splits of 6 and 8 lost or tied (10:27: 12.8
-# against 10.8 us in 1.3 waves; 28.9 against 28.6 us). Deeper rings for this shape lost (10:30, 20 rows: 4 stages of
-# 128 k 1.08, 6 or 3 stages of 64 k 1.23 / 1.17), and so did 8 warps along K (1.12; 6-11% faster only on three
-# long-K Mixtral down rows).
+# The 16-row decode shape with its K slices as the warps of one CTA, in place of split-K (rule 4 of the docstring;
+# splits of 2-4 always qualify)
 DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
 SPLIT_WARPS_SHAPES = {16: DECODE_WK}
 WARPS_K_EXTRA_STAGES = 1  # negative: never
-# sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side, see the docstring)
+# sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side)
 WS_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="ws")  # 32 x 256, 6 stages of 32 k
 HOPPER_SHAPES = {32: WS_32}
 _PORTABLE_SHAPES = dict(KERNEL_SHAPES)  # what a ws shape falls back to off sm_90a or with act-order
-# heuristic block_m: rows per touched expert <= 24 -> 16, <= 56 -> 64, else 128 (module docstring; no 32-row block)
+# heuristic block_m: rows per touched expert <= 24 -> 16, <= 56 -> 64, else 128 (rule 1 of the docstring)
 ROWS_16_MAX, ROWS_64_MAX = 24, 56
 
 
@@ -375,20 +285,20 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     max_split = max_split_k(k, base.ku)
     stages = -(-max(1, k // 32) // base.ku)
     if base.kind == "tc" and ctas >= slots:
-        max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's F stages (docstring)
+        max_split = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's F stages
     cost = [-(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES) for s in range(1, max_split + 1)]
     split = next(s for s, c in enumerate(cost, 1) if c <= 1.05 * min(cost))
     if heuristic and block_m == 64 and split > 1 and not act_order:
         big, big_ctas, big_slots = grid(128)
         if big_ctas >= FULL_WAVE * big_slots * -(-big_ctas // big_slots):
-            return replace(big, split_k=1)  # a full unsplit wave of 128-row tiles (docstring)
+            return replace(big, split_k=1)  # rule 3: a full unsplit wave of 128-row tiles
     return split_shape(replace(base, split_k=split), ctas, slots)
 
 
 def _split_warps(cfg: GemmConfig, k: int, one_wave_swapped: bool = False) -> GemmConfig:
     """SPLIT_WARPS_SHAPES[block_m] (one CTA per column strip) in place of a split shape whose K slices its warps'
     slices exceed by at most WARPS_K_EXTRA_STAGES stages (see there); not for a 2-way split whose split grid fits one
-    wave with at most 8 rows per expert (one_wave_swapped: the swapped-operand path; module docstring)."""
+    wave with at most 8 rows per expert (one_wave_swapped: the swapped-operand path); rule 4 of the docstring."""
     alt = SPLIT_WARPS_SHAPES.get(cfg.block_m)
     if alt is None or cfg.kind != "reg" or cfg.split_k < 2 or WARPS_K_EXTRA_STAGES < 0:
         return cfg
