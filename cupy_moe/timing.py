@@ -1,0 +1,72 @@
+"""GPU timing, written once: CUDA events around calls or around replays of a captured CUDA graph, medians after
+warm-up, and the two hardware floors measured the same way (copy bandwidth, fp16 matmul rate).
+
+Used by `tune`, the demo and the benchmarks. Every function needs CuPy and a GPU.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ._xp import require_gpu
+
+__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate"]
+
+
+def event_time(fn: Callable[[int], object], reps: int = 20, warmup: int = 3, stream=None) -> float:
+    """Median seconds of `fn(i)` (i = 0, 1, ... so a caller can rotate inputs) between two CUDA events on `stream`
+    (default: the current one), after `warmup` untimed calls."""
+    cp = require_gpu("timing")
+    if reps < 1:
+        raise ValueError(f"reps: expected at least 1, got {reps}")
+    for i in range(warmup):
+        fn(i)
+    starts = [cp.cuda.Event() for _ in range(reps)]
+    stops = [cp.cuda.Event() for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record(stream)
+        fn(warmup + i)
+        stops[i].record(stream)
+    stops[-1].synchronize()
+    return float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in zip(starts, stops)])) * 1e-3
+
+
+def graph_time(calls: Sequence[Callable[[], object]], reps: int = 10, warmup: int = 2, stream=None) -> float:
+    """Median seconds per call of `calls`, captured once into a CUDA graph (after one eager round, which compiles
+    kernels) and replayed: the launchers' Python stays out of the time, launch gaps inside the graph stay in.
+    Several calls over different inputs keep one input set from sitting in L2 between calls."""
+    cp = require_gpu("timing")
+    if not calls:
+        raise ValueError("calls: expected at least one call, got none")
+    stream = stream or cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for call in calls:
+            call()
+        stream.synchronize()
+        stream.begin_capture()
+        try:
+            for call in calls:
+                call()
+        finally:
+            graph = stream.end_capture()
+    return event_time(lambda i: graph.launch(stream), reps, warmup, stream) / len(calls)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (the traffic floor's
+    denominator)."""
+    cp = require_gpu("timing")
+    src = cp.ones(nbytes, cp.uint8)
+    dst = cp.empty_like(src)
+    seconds = event_time(lambda i: cp.copyto(dst, src), reps=20)
+    return 2 * src.nbytes / seconds
+
+
+def matmul_rate(size: int = 8192) -> float:
+    """Dense fp16 matmul rate in FLOP/s of a size^3 product through CuPy (cuBLAS), the FLOP floor's denominator."""
+    cp = require_gpu("timing")
+    a = cp.random.standard_normal((size, size)).astype(cp.float16)
+    b = cp.random.standard_normal((size, size)).astype(cp.float16)
+    seconds = event_time(lambda i: cp.matmul(a, b), reps=10)
+    return 2 * size**3 / seconds
