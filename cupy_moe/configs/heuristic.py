@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .catalogue import (HOPPER_SHAPES, KERNEL_SHAPES, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig, fallback,
-                        max_split_k)
+from .catalogue import (HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig,
+                        fallback, max_split_k)
 from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
@@ -118,7 +118,8 @@ def split_k_estimate(shape: GemmConfig, m: int, e: int, a: int, k: int, n: int, 
 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int, block_m: int | None = None,
-                  *, act_order: bool = False, pair_a: bool = False, gpu: GpuInfo | None = None) -> GemmConfig:
+                  *, act_order: bool = False, pair_a: bool = False, gpu: GpuInfo | None = None,
+                  split_k: int | None = None, tuned: bool = True) -> GemmConfig:
     """The configuration one GEMM phase launches: pass it to fused_moe_gemm(..., config=) and align with its
     block_m (`moe_align_block_size(topk_ids, config.block_m, E)`).
 
@@ -127,6 +128,8 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     block_m: the align block size already used (16, 32, 64 or 128); None = rules 1 and 3 or the tuned table.
     act_order: the weights carry g_idx. pair_a: the activations are in pair order (fused_moe_gemm's a_pair_order).
     gpu: the target (`GpuInfo`); None = the current device (a RuntimeError without a GPU).
+    split_k: force the K split of the block size's shape (with block_m; rule 2 skipped, rules 4-6 apply): how `tune`
+    names its candidates. tuned: False ignores the tuned table (the rules alone).
     """
     if gpu is None:
         gpu = gpu_info()
@@ -134,13 +137,19 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
         raise TypeError(f"gpu: expected a GpuInfo or None, got {type(gpu).__name__}")
     if block_m is not None and block_m not in SUPPORTED_BLOCK_M:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M} or None, got {block_m!r}")
+    if split_k is not None and (block_m is None or isinstance(split_k, bool) or not isinstance(split_k, int)
+                                or not 1 <= split_k <= MAX_SPLIT):
+        raise ValueError(f"split_k: expected an int in [1, {MAX_SPLIT}] with a block_m, or None, got "
+                         f"split_k={split_k!r}, block_m={block_m!r}")
     problem = _Problem(m, e, a, n, gpu)
-    tuned = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a)
+    entry = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a) if tuned and split_k is None else None
     if block_m is None:
-        block_m = tuned[0] if tuned is not None else _block_size(problem, k)
+        block_m = entry[0] if entry is not None else _block_size(problem, k)
     base = problem.shape(block_m)
-    if tuned is not None and tuned[0] == block_m:
-        split = tuned[1]
+    if split_k is not None:
+        split = split_k
+    elif entry is not None and entry[0] == block_m:
+        split = entry[1]
     else:
         split = problem.split(base, k, act_order)
     cfg = problem.warps_along_k(replace(base, split_k=split), k, act_order)
