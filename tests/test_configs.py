@@ -271,14 +271,22 @@ def test_choice_arguments_are_checked():
         replace(configs.DECODE, split_k=0)
 
 
+def test_config_specs_round_trip():
+    for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3, split_k=5), configs.PREFILL,
+                configs.PREFILL_128, configs.DECODE_WK, configs.SWAPPED_32):
+        assert configs.GemmConfig.from_spec(cfg.spec) == cfg
+    assert configs.DECODE.spec == "reg:1,1,4,1,4,2,1/1"
+    assert configs.GemmConfig.from_spec("tc:2,2,4,2,1,6,1") == configs.PREFILL
+    with pytest.raises(ValueError, match="kind: expected one of"):
+        configs.GemmConfig.from_spec("fast:1,1,4,1,4,2,1")
+    with pytest.raises(ValueError, match=r"spec: expected 'kind:mt,warps_m,warps_n,ng,ku,stages,warps_k\[/split_k\]'"):
+        configs.GemmConfig.from_spec("reg:1,1,4,1,4,2")
+
+
 def _launched_configs():
     lines = [line.split() for line in (DATA / "launched_configs.txt").read_text().splitlines()
              if line and not line.startswith("#")]
-    shapes = {}
-    for _, code, text in (line for line in lines if line[0] == "shape"):
-        kind, ints = text.split(":")
-        mt, wm, wn, ng, ku, stages, wk = (int(v) for v in ints.split(","))
-        shapes[code] = configs.GemmConfig(mt, wm, wn, ng, ku, stages, kind=kind, warps_k=wk)
+    shapes = {code: configs.GemmConfig.from_spec(text) for _, code, text in (l for l in lines if l[0] == "shape")}
     return shapes, [line for line in lines if line[0] != "shape"]
 
 

@@ -70,6 +70,27 @@ class GemmConfig:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
 
     @property
+    def spec(self) -> str:
+        """The configuration as text, 'kind:mt,warps_m,warps_n,ng,ku,stages,warps_k/split_k' (`from_spec` reads it):
+        for command lines, JSON and test data."""
+        return (f"{self.kind}:{self.mt},{self.warps_m},{self.warps_n},{self.ng},{self.ku},{self.stages},"
+                f"{self.warps_k}/{self.split_k}")
+
+    @classmethod
+    def from_spec(cls, text: str) -> "GemmConfig":
+        """The GemmConfig of a `spec` string; '/split_k' may be left out (1)."""
+        kind, _, rest = str(text).partition(":")
+        ints, _, split = rest.partition("/")
+        try:
+            values = [int(v) for v in ints.split(",")] + [int(split or 1)]
+        except ValueError:
+            values = []
+        if not kind or len(values) != 8:
+            raise ValueError(f"spec: expected 'kind:mt,warps_m,warps_n,ng,ku,stages,warps_k[/split_k]', got {text!r}")
+        mt, warps_m, warps_n, ng, ku, stages, warps_k, split_k = values
+        return cls(mt, warps_m, warps_n, ng, ku, stages, split_k=split_k, kind=kind, warps_k=warps_k)
+
+    @property
     def block_m(self) -> int:
         return self.warps_m * self.mt * 16
 
