@@ -2,13 +2,11 @@
 # One device call that checks everything GPU-side; logs under $OUT (at most 8 files come back):
 #   tests.log (the whole suite), memcheck.log, bench.txt + performance.png (one GEMM phase),
 #   layer.txt (whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model), examples.txt;
-#   when asked for: sweep.txt (the tile sweep of benchmarks/sweep_tiles.py with $SWEEP_ARGS; it runs first, so with
-#   --write the other stages use its winners), reads.txt (benchmarks/read_patterns.py) and ncu.txt + ncu_source.csv.gz
-#   + ncu_raw.txt.gz
+#   when asked for: reads.txt (benchmarks/read_patterns.py) and ncu.txt + ncu_source.csv.gz + ncu_raw.txt.gz
 #   (Nsight Compute on the rows of benchmarks/profile_rows.py, $NCU_ROWS: details, per-instruction stall samples and
 #   every raw metric, e.g. the pipe utilizations).
 # Usage (repository root): OUT=/some/dir bash benchmarks/gpu_check.sh
-# STAGES picks stages (default all but sweep and reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py;
+# STAGES picks stages (default all but reads and ncu); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py;
 # TESTS_ARGS to pytest (default: the whole suite, whose NVRTC compile test alone takes about 3 minutes on a CPU
 # machine; "-m gpu tests" runs only the tests that need the GPU, about 90 s on an H200).
 set -u
@@ -27,7 +25,6 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
 }
 
 stage reads "${READS_TIMEOUT:-90}" "$OUT/reads.txt" python3 benchmarks/read_patterns.py
-stage sweep "${SWEEP_TIMEOUT:-150}" "$OUT/sweep.txt" python3 benchmarks/sweep_tiles.py ${SWEEP_ARGS:-}
 stage ncu "${NCU_TIMEOUT:-300}" "$OUT/ncu.txt" bash -c 'ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
   "$ncu" --clock-control none --profile-from-start off --set full -f -o /tmp/prof python3 benchmarks/profile_rows.py ${NCU_ROWS:-} &&
   "$ncu" --import /tmp/prof.ncu-rep --page details &&
