@@ -10,9 +10,10 @@ import numpy as np
 
 from . import _compile, configs
 from ._xp import is_device_array, require_gpu
+from .align import align_capacity
 from .weights import StackedGptqWeight
 
-__all__ = ["fused_moe_gemm"]
+__all__ = ["fused_moe_gemm", "SplitKWorkspace"]
 
 _WORKSPACES: dict = {}  # (device, stream) -> [partials float32, tickets int32]: grow-only, tickets kept at zero
 _SMEM_SET: dict = {}  # (kernel name, device) -> (RawKernel, dynamic shared-memory bytes already allowed for it)
@@ -46,6 +47,46 @@ def _workspace(cp, floats, ints):
     return ws
 
 
+def _geometry(config, k, n):
+    """(column tiles, split-K CTAs, 32-k chunks per slice) of one launch of `config` on K x N."""
+    chunks = k // 32
+    wk = config.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all
+    cps = -(-chunks // (config.split_k * wk))
+    cps = -(-cps // config.ku) * config.ku  # slices start on a stage boundary (group mode 1 relies on it)
+    split = -(-chunks // (cps * wk))  # no CTA without work (its last warps' slices may be empty)
+    return -(-n // config.block_n), split, cps
+
+
+class SplitKWorkspace:
+    """The scratch of split-K launches on one device: fp32 partial tiles and int32 tickets (zero between launches:
+    each tile's last CTA resets its ticket). Made once for the launches it serves and passed as
+    `fused_moe_gemm(..., workspace=)`, a call allocates nothing but its output; without one, a call uses a
+    workspace cached per device and stream, grown when a launch needs more. One workspace serves one stream at a
+    time."""
+
+    def __init__(self, partials: int, tickets: int):
+        cp = require_gpu("SplitKWorkspace")
+        self.partials = cp.empty(max(0, int(partials)), cp.float32)
+        self.tickets = cp.zeros(max(0, int(tickets)), cp.int32)
+
+    @staticmethod
+    def size(config, k: int, n: int, pairs: int, num_experts: int, one_pair: bool = False) -> tuple[int, int]:
+        """(partials, tickets) that one launch of `config` (a GemmConfig) on K x N needs for P = `pairs` pairs
+        aligned by moe_align_block_size over `num_experts` experts, or one pair per block (`one_pair`); (0, 0)
+        without split-K."""
+        n_tiles, split, _ = _geometry(config, k, n)
+        if split == 1 or pairs == 0:
+            return 0, 0
+        capacity = 16 * pairs if one_pair else align_capacity(pairs, config.block_m, num_experts)
+        return split * capacity * n, capacity // config.block_m * n_tiles
+
+    @classmethod
+    def for_launches(cls, sizes) -> "SplitKWorkspace":
+        """One workspace for launches of these `size(...)` results (run one after another on one stream)."""
+        sizes = list(sizes)
+        return cls(max((f for f, _ in sizes), default=0), max((t for _, t in sizes), default=0))
+
+
 def _check_config(config, block_m, act_order, pair_a, hopper):
     """`config` (a GemmConfig) must be what runs on these inputs: its block size that of the aligned list, and a
     kernel variant for act-order, pair order and the device (hopper None: not judged, the NumPy path)."""
@@ -71,7 +112,7 @@ def _block_size(sorted_token_ids, expert_ids):
 
 
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
-                   topk_weights=None, out=None, *, a_pair_order=False, config=None):
+                   topk_weights=None, out=None, *, a_pair_order=False, config=None, workspace=None):
     """out[p, :] = a[p // top_k, :] @ W[expert of p] (* topk_weights[p]), rounded once to a's dtype.
 
     a: float16 or bfloat16 [M, K] (NumPy input: any float dtype the reference takes).
@@ -94,6 +135,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         None: chosen here for the block size of the aligned list. A config that cannot run these inputs (another
         block size, a kernel without an act-order or pair-order variant, the swapped kernel off sm_90a) is a
         ValueError.
+    workspace: a SplitKWorkspace at least `SplitKWorkspace.size(config, ...)` large, so that the call allocates
+        nothing but `out`; None: one cached per device and stream. The results are the same either way.
     Returns out [P, N].
     A block whose expert id is outside [0, E) is skipped: its rows stay untouched (ids are not checked on the host,
     which would need a synchronization).
@@ -185,6 +228,10 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         if x is not None and x.data.ptr % 16:
             _fail(name, "16-byte aligned data (the kernels move 16 bytes per access)", "a misaligned view")
     act_order, pair_a = g_idx is not None, bool(a_pair_order)
+    if config is not None and not isinstance(config, configs.GemmConfig):
+        _fail("config", "a GemmConfig (configs.choose_config(...)) or None", type(config).__name__, TypeError)
+    if workspace is not None and not isinstance(workspace, SplitKWorkspace):
+        _fail("workspace", "a SplitKWorkspace or None", type(workspace).__name__, TypeError)
     if block_m is not None:
         gpu = configs.gpu_info()
         if config is None:
@@ -192,23 +239,25 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
                                            gpu=gpu)
         else:
             _check_config(config, block_m, act_order, pair_a, gpu.hopper)
+        n_tiles, split, cps = _geometry(config, k, n)
+        partials = tickets = None
+        if split > 1 and workspace is not None:
+            partials, tickets = workspace.partials, workspace.tickets
+            if partials.size < split * capacity * n or tickets.size < blocks.size * n_tiles:
+                _fail("workspace", f"at least {split * capacity * n} partials and {blocks.size * n_tiles} tickets "
+                      "(SplitKWorkspace.size(config, ...))", f"{partials.size} and {tickets.size}")
+            if partials.device.id != cp.cuda.Device().id:
+                _fail("workspace", f"arrays on the current device {cp.cuda.Device().id}",
+                      f"device {partials.device.id}")
     # ---- allocate
     if out is None:
         out = cp.zeros((p, n), a.dtype)
     if block_m is None or p == 0 or n == 0:
         return out
+    if split > 1 and workspace is None:
+        partials, tickets = _workspace(cp, split * capacity * n, blocks.size * n_tiles)
     name = config.name_expression(bf16, bits, act_order, group_len, gpu.hopper, k, pair_a)
     smem = config.smem_bytes(bits, gpu.hopper)
-    n_tiles = -(-n // config.block_n)
-    chunks = k // 32
-    wk = config.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all
-    cps = -(-chunks // (config.split_k * wk))
-    cps = -(-cps // config.ku) * config.ku  # slices start on a stage boundary (group mode 1 relies on it)
-    split = -(-chunks // (cps * wk))  # no CTA without work (its last warps' slices may be empty)
-    if split > 1:
-        partials, tickets = _workspace(cp, split * capacity * n, blocks.size * n_tiles)
-    else:
-        partials = tickets = None
     # ---- launch
     kern = _compile.get_kernel(config.source_file, name)
     smem_key = (name, cp.cuda.Device().id)

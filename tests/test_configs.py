@@ -378,6 +378,18 @@ def test_numpy_path_takes_a_config_and_checks_it():
                                                                                 act_order=True))
 
 
+def test_split_k_workspace_sizes():
+    from cupy_moe.gemm import SplitKWorkspace
+    # Mixtral-8x7B down M = 1: 8 slices of 56 chunks; 2 pairs aligned to 16 rows over 8 experts: 32 rows, 2 blocks
+    plan = choose(2, 8, 1, 14336, 4096, 4, 128, 16)
+    assert (plan.split_k, plan.warps_k) == (8, 1)
+    assert SplitKWorkspace.size(plan, 14336, 4096, 2, 8) == (8 * 32 * 4096, 2 * 32)
+    assert SplitKWorkspace.size(plan, 14336, 4096, 2, 8, one_pair=True) == (8 * 32 * 4096, 2 * 32)
+    assert SplitKWorkspace.size(plan, 14336, 4096, 5, 8) == (8 * 80 * 4096, 5 * 32)  # 5 pairs on up to 5 experts
+    assert SplitKWorkspace.size(replace(plan, split_k=1), 14336, 4096, 2, 8) == (0, 0)
+    assert SplitKWorkspace.size(plan, 14336, 4096, 0, 8) == (0, 0)
+
+
 def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     tc, dec = configs.PREFILL_128, configs.DECODE
     assert tc.name_expression(False, 4, False, 128).endswith(", false, false>")

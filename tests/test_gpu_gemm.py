@@ -221,6 +221,31 @@ def test_gemm_deterministic():
         assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
 
 
+def test_gemm_explicit_workspace_and_config():
+    """A SplitKWorkspace sized by SplitKWorkspace.size gives bitwise the cached workspace's result; a smaller one
+    and a config of another block size are refused before the launch."""
+    from cupy_moe.gemm import SplitKWorkspace
+    rng = np.random.default_rng(6)
+    e, m, a, k, n = 4, 9, 2, 2048, 256  # few experts, long K: split-K active
+    w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    ids = cp.asarray(route(rng, m, e, a, "uniform"))
+    plan = configs.choose_config(m, e, a, k, n, 4, 128)
+    assert plan.split_k > 1
+    s, eids, post = moe_align_block_size(ids, plan.block_m, e)
+    cached = fused_moe_gemm(x, w, s, eids, post, a, config=plan)
+    ws = SplitKWorkspace.for_launches([SplitKWorkspace.size(plan, k, n, m * a, e)])
+    own = fused_moe_gemm(x, w, s, eids, post, a, config=plan, workspace=ws)
+    assert cp.array_equal(cached.view(cp.uint16), own.view(cp.uint16))
+    assert cp.array_equal(fused_moe_gemm(x, w, s, eids, post, a, workspace=ws).view(cp.uint16), own.view(cp.uint16))
+    small = SplitKWorkspace(16, 16)
+    with pytest.raises(ValueError, match=r"workspace: expected at least \d+ partials"):
+        fused_moe_gemm(x, w, s, eids, post, a, config=plan, workspace=small)
+    other = configs.choose_config(m, e, a, k, n, 4, 128, 64)
+    with pytest.raises(ValueError, match="config: expected block_m = 16"):
+        fused_moe_gemm(x, w, s, eids, post, a, config=other)
+
+
 def test_graph_capture_align_and_gemm():
     rng = np.random.default_rng(2)
     e, m, a, k, n = 16, 5, 4, 512, 128
