@@ -162,7 +162,7 @@ def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs):
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (4, False, True, "float16", 64)])
 def test_gemm_block_32(bits, sym, act_order, dtype_name, gs, hopper, monkeypatch):
-    """32-row blocks: on sm_90a the swapped-operand kernel (WS_32), elsewhere (and with CUPY_MOE_HOPPER=0) the
+    """32-row blocks: on sm_90a the swapped-operand kernel (SWAPPED_32), elsewhere (and with CUPY_MOE_HOPPER=0) the
     portable decode shape with two m16 tiles per CTA: experts with 17-32 rows, partial blocks, split-K, a partial
     last column tile."""
     monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)
@@ -207,6 +207,9 @@ def test_gemm_deterministic_prefill():
 
 
 def test_gemm_deterministic():
+    """Split-K results are bitwise the same on every call, with the cached workspace or a SplitKWorkspace sized by
+    SplitKWorkspace.size; a smaller workspace and a plan of another block size are refused before the launch."""
+    from cupy_moe.gemm import SplitKWorkspace
     rng = np.random.default_rng(1)
     e, m, a, k, n = 4, 9, 2, 2048, 256  # few experts, long K: split-K active
     w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
@@ -216,33 +219,14 @@ def test_gemm_deterministic():
     assert cfg.split_k > 1
     s, eids, post = moe_align_block_size(ids, cfg.block_m, e)
     first = fused_moe_gemm(x, w, s, eids, post, a)
-    for _ in range(20):
-        again = fused_moe_gemm(x, w, s, eids, post, a)
+    ws = SplitKWorkspace.for_launches([SplitKWorkspace.size(cfg, k, n, m * a, e)])
+    for i in range(20):
+        again = fused_moe_gemm(x, w, s, eids, post, a, config=cfg, workspace=ws if i % 2 else None)
         assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
-
-
-def test_gemm_explicit_workspace_and_config():
-    """A SplitKWorkspace sized by SplitKWorkspace.size gives bitwise the cached workspace's result; a smaller one
-    and a config of another block size are refused before the launch."""
-    from cupy_moe.gemm import SplitKWorkspace
-    rng = np.random.default_rng(6)
-    e, m, a, k, n = 4, 9, 2, 2048, 256  # few experts, long K: split-K active
-    w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
-    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
-    ids = cp.asarray(route(rng, m, e, a, "uniform"))
-    plan = configs.choose_config(m, e, a, k, n, 4, 128)
-    assert plan.split_k > 1
-    s, eids, post = moe_align_block_size(ids, plan.block_m, e)
-    cached = fused_moe_gemm(x, w, s, eids, post, a, config=plan)
-    ws = SplitKWorkspace.for_launches([SplitKWorkspace.size(plan, k, n, m * a, e)])
-    own = fused_moe_gemm(x, w, s, eids, post, a, config=plan, workspace=ws)
-    assert cp.array_equal(cached.view(cp.uint16), own.view(cp.uint16))
-    assert cp.array_equal(fused_moe_gemm(x, w, s, eids, post, a, workspace=ws).view(cp.uint16), own.view(cp.uint16))
-    small = SplitKWorkspace(16, 16)
     with pytest.raises(ValueError, match=r"workspace: expected at least \d+ partials"):
-        fused_moe_gemm(x, w, s, eids, post, a, config=plan, workspace=small)
+        fused_moe_gemm(x, w, s, eids, post, a, config=cfg, workspace=SplitKWorkspace(16, 16))
     other = configs.choose_config(m, e, a, k, n, 4, 128, 64)
-    with pytest.raises(ValueError, match="config: expected block_m = 16"):
+    with pytest.raises(ValueError, match=f"config: expected block_m = {cfg.block_m}"):
         fused_moe_gemm(x, w, s, eids, post, a, config=other)
 
 
