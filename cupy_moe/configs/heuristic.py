@@ -34,7 +34,8 @@ __all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_o
            "SPLIT_FILL_STAGES", "FULL_WAVE", "WARPS_K_EXTRA_STAGES"]
 
 # Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
-# (Mixtral-8x22B gate/up M = 64: 421 against 498 us).
+# (Mixtral-8x22B gate/up M = 64: 421 against 498 us); at 32 rows the 64-row tile beat it too (Qwen2-57B-A14B gate/up
+# M = 256: 411.9 against 561.0), so no 32-row block by default.
 ROWS_16_MAX = 24
 # Rule 1. At 32-48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time, at 64 rows the 128-row
 # tile takes 0.66-0.91 of the 64-row time (Mixtral-8x7B gate/up M = 256: 405.5 against 611.9 us).
@@ -42,7 +43,8 @@ ROWS_64_MAX = 56
 # Rule 2. With 4 fill stages instead of 2 the picks of 112 decode rows took 0.994 of the time on the geometric mean
 # (DeepSeek-V2-Lite down M = 4: 16.4 -> 14.0 us).
 SPLIT_FILL_STAGES = 4
-SPLIT_TOLERANCE = 1.05  # rule 2: the fewest slices within 5% of the least estimate
+# Rule 2. With this estimate the picks of 60 decode rows took 1.016 of the fastest split's time on the geometric mean.
+SPLIT_TOLERANCE = 1.05
 # Rule 3. Mixtral-8x7B down M = 128 (128 CTAs of 128 rows): 64 rows split 2 ways 187.8 us, 128 rows unsplit 159.7;
 # Mixtral-8x22B down M = 128 (192 CTAs, 0.73 of two waves): 64 x 4 ways 309.7, 128 unsplit 361.6.
 FULL_WAVE = 0.9
@@ -53,8 +55,8 @@ WARPS_K_EXTRA_STAGES = 1
 
 def expected_experts(m: int, e: int, a: int) -> float:
     """Distinct experts that m tokens with top-a of e experts touch on average under uniform routing (at least 1).
-    Rule 1's r and rule 2's CTA count use it: min(E, M*A) overestimated small batches (Mixtral M = 4: 8 against 5.5),
-    and the split picks with it took 1.016 of the fastest split's time on the geometric mean of 60 decode rows."""
+    Rule 1's r and rule 2's CTA count use it: min(E, M*A) overestimated small batches (Mixtral M = 4: 8 against 5.5;
+    the split picks with min(E, M*A) took 1.032 of the fastest split's time, with this 1.016)."""
     return max(1.0, round(e * (1.0 - (1.0 - min(1.0, a / e)) ** max(1, m)), 6))
 
 
@@ -92,7 +94,9 @@ class _Problem:
         most = max_split_k(k, cfg.ku)
         stages = -(-max(1, k // 32) // cfg.ku)
         if cfg.kind == "tc" and ctas >= slots:
-            most = 1  # a 64- or 128-row tile's fp32 partial costs more than the estimate's fill stages
+            # a 64- or 128-row tile's fp32 partials cost more than the fill stages: on grids of a wave or more a
+            # 2-way split took 1.04-1.57 of the unsplit time (Qwen2-57B-A14B down M = 256: 310.6 against 212.8 us)
+            most = 1
         cost = [-(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES) for s in range(1, most + 1)]
         return next(s for s, c in enumerate(cost, 1) if c <= SPLIT_TOLERANCE * min(cost))
 
@@ -103,6 +107,8 @@ class _Problem:
         if alt is None or cfg.kind != "reg" or cfg.split_k < 2 or WARPS_K_EXTRA_STAGES < 0:
             return cfg
         if cfg.split_k == 2 and 2 * self.ctas(cfg) <= self.slots(cfg, act_order) and self.rows <= 8:
+            # on such rows the plain split took 0.90-1.07 of the warps-along-K time, 0.95 on the geometric mean
+            # (Mixtral-8x7B down M = 16: 65.8 against 72.5 us)
             return cfg
         stages = -(-max(1, k // 32) // alt.ku)
         if -(-stages // alt.warps_k) > -(-stages // cfg.split_k) + WARPS_K_EXTRA_STAGES:
