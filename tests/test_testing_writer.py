@@ -1,7 +1,7 @@
 """The checkpoint writer (cupy_moe.testing): valid safetensors, genuine GPTQ conventions, reproducible.
 
 Loading round trips live in test_checkpoint.py; this file checks the files themselves with safetensors'
-own reader and the constants of GPTQ_FORMAT.md, independently of cupy_moe.checkpoint.
+own reader and the constants of docs/gptq_layout.md, independently of cupy_moe.checkpoint.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_files_are_valid_safetensors_with_family_names(tmp_path, family):
 @pytest.mark.parametrize("bits, fmt, word", [(4, "gptq", 0x77777777), (4, "gptq_v2", 0x88888888),
                                              (8, "gptq", 0x7F7F7F7F), (2, "gptq", 0x55555555)])
 def test_sym_qzeros_constants(tmp_path, bits, fmt, word):
-    """GPTQ_FORMAT.md §2: every sym qzeros word is one constant (v1 stores zero - 1)."""
+    """docs/gptq_layout.md: every sym qzeros word is one constant (v1 stores zero - 1)."""
     write_checkpoint(tmp_path, bits=bits, checkpoint_format=fmt)
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
         qz = f.get_tensor("model.layers.0.block_sparse_moe.experts.0.w1.qzeros")

@@ -232,7 +232,7 @@ def test_from_experts_validation_messages():
 
 # --------------------------------------------------------------------------- v1 -> real zeros
 def per_field_plus_one(qzeros, bits):
-    """The v1 decode rule (GPTQ_FORMAT.md §3) field by field, via the reference's own unpack/pack."""
+    """The v1 decode rule (docs/gptq_layout.md) field by field, via the reference's own unpack/pack."""
     mask = (1 << bits) - 1
     return ref.pack_cols((ref.unpack_cols(qzeros, bits) + 1) & mask, bits)
 
