@@ -15,7 +15,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from cupy_moe import _packing
 from cupy_moe import reference as R
 from cupy_moe import checkpoint as C
 from cupy_moe.checkpoint.loading import _real_zeros
@@ -394,16 +393,6 @@ def test_v1_zeros_decode_inverts_gptqmodel_export(bits, rows, units, rnd):
     got = _real_zeros(v1, Quant(bits, 32, False, False, "gptq"))
     np.testing.assert_array_equal(got, real)
     np.testing.assert_array_equal(_real_zeros(q.qzeros, Quant(bits, 32, False, False, "gptq_v2")), real)
-
-
-@given(st.sampled_from([2, 3, 4, 8]), st.integers(1, 4), st.integers(1, 3))
-def test_pack_helpers_match_reference(bits, rows, units):
-    per = 32 // np.gcd(32, bits)
-    rng = np.random.default_rng(bits * 100 + rows * 10 + units)
-    v = rng.integers(0, 1 << bits, size=(rows, units * per))
-    packed = _packing.pack(v, bits)
-    np.testing.assert_array_equal(packed, R.pack_cols(v, bits))
-    np.testing.assert_array_equal(_packing.unpack(packed, bits), v)
 
 
 # --------------------------------------------------------------------------- refused settings

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from cupy_moe import reference as R
 from cupy_moe import testing as T
+from cupy_moe.checkpoint.safetensors import bf16_to_f32
 from cupy_moe.testing import FAMILIES, edit_checkpoint, write_checkpoint
 
 
@@ -110,11 +111,11 @@ def test_bf16_written_as_bits(tmp_path):
     assert tensors["model.layers.0.block_sparse_moe.gate.weight"][0] == "BF16"
     # round to nearest even: halfway cases go to the even 7-bit mantissa
     x = np.array([1.0, -2.5, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1 + 2.0 ** -8 + 2.0 ** -20, 65504.0], np.float32)
-    np.testing.assert_array_equal(T._from_bf16_bits(T._to_bf16_bits(x)),
+    np.testing.assert_array_equal(bf16_to_f32(T._to_bf16_bits(x)),
                                   [1.0, -2.5, 1.0, 1 + 2.0 ** -6, 1 + 2.0 ** -7, 65536.0])
     # router values returned are exactly the stored bf16 values
     r = w["model.layers.0.block_sparse_moe.gate"]
-    np.testing.assert_array_equal(T._from_bf16_bits(T._to_bf16_bits(r)), r)
+    np.testing.assert_array_equal(bf16_to_f32(T._to_bf16_bits(r)), r)
 
 
 def test_dynamic_exclusion_and_override_written(tmp_path):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["SafetensorsFile", "TensorInfo", "TensorIndex", "FLOATS", "as_float", "read_json"]
+__all__ = ["SafetensorsFile", "TensorInfo", "TensorIndex", "FLOATS", "as_float", "bf16_to_f32", "read_json"]
 
 
 # safetensors dtype -> (NumPy dtype the raw bytes are read as, bytes per element). BF16 is read as uint16
@@ -126,7 +126,7 @@ class SafetensorsFile:
             self._fd = -1
 
 
-def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
     """uint16 bit patterns of bfloat16 -> float32 (exact: bf16 is the top half of a float32)."""
     return (raw.astype(np.uint32) << 16).view(np.float32)
 
@@ -134,7 +134,7 @@ def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
 def as_float(f: SafetensorsFile, info: TensorInfo) -> np.ndarray:
     """A float tensor as float16 (if stored F16) or float32 (BF16 widened exactly, F32)."""
     raw = f.read(info)
-    return _bf16_to_f32(raw) if info.dtype == "BF16" else raw
+    return bf16_to_f32(raw) if info.dtype == "BF16" else raw
 
 
 class TensorIndex:
