@@ -1,7 +1,7 @@
 """Peak host memory (RSS) while loading one MoE layer from a GPTQ checkpoint, against the layer's packed bytes.
 
-    python benchmarks/load_memory.py                      # H=1024, I=2816, E=8, 4-bit, G=128, 3 shards
-    python benchmarks/load_memory.py --hidden 4096 --intermediate 14336 --experts 8   # one Mixtral-8x7B layer
+    python benchmarks/load_memory.py                       # H=1024, I=2816, E=8, 4-bit, G=128, 3 shards
+    python benchmarks/load_memory.py --model Mixtral-8x7B  # one layer of that shape (cupy_moe.models)
 
 Writes a checkpoint with cupy_moe.testing.write_checkpoint, then measures each way of loading in a fresh
 process: the peak RSS counter is reset (/proc/self/clear_refs, Linux) after imports, and the reported number is
@@ -25,7 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
+import cupy_moe
+from cupy_moe.models import get_model
+from cupy_moe.testing import write_checkpoint
+
+# the child imports the same cupy_moe as this process (an installed one, or a checkout on PYTHONPATH)
+_PACKAGE_ROOT = str(Path(cupy_moe.__file__).resolve().parent.parent)
 
 _CHILD = r"""
 import json, os, sys, time
@@ -102,7 +107,7 @@ print(json.dumps({"mode": mode, "extra_peak_bytes": (peak - before) * 1024, "res
 
 def measure(folder, mode: str, layer: int = 0) -> dict:
     """Run one load in a fresh Python process and return its JSON report."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", _CHILD, str(folder), mode, str(layer)], capture_output=True,
                          text=True, env=env, check=False)
     if res.returncode:
@@ -112,6 +117,7 @@ def measure(folder, mode: str, layer: int = 0) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="take H, I and E from this cupy_moe.models shape")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--experts", type=int, default=8)
@@ -120,9 +126,9 @@ def main(argv=None):
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--modes", default="load_moe_layer,from_experts,load_file")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(_REPO))
-    from cupy_moe.testing import write_checkpoint
-
+    if args.model is not None:
+        shape = get_model(args.model)
+        args.hidden, args.intermediate, args.experts = shape.hidden, shape.intermediate, shape.num_experts
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         write_checkpoint(tmp, family="mixtral", num_layers=1, hidden=args.hidden, intermediate=args.intermediate,
