@@ -1,7 +1,7 @@
 """Peak host memory (RSS) while loading one MoE layer from a GPTQ checkpoint, against the layer's packed bytes.
 
-    python benchmarks/load_memory.py                      # H=1024, I=2816, E=8, 4-bit, G=128, 3 shards
-    python benchmarks/load_memory.py --hidden 4096 --intermediate 14336 --experts 8   # one Mixtral-8x7B layer
+    python benchmarks/load_memory.py                       # H=1024, I=2816, E=8, 4-bit, G=128, 3 shards
+    python benchmarks/load_memory.py --model Mixtral-8x7B  # one layer of that shape (cupy_moe.models)
 
 Writes a checkpoint with cupy_moe.testing.write_checkpoint, then measures each way of loading in a fresh
 process: the peak RSS counter is reset (/proc/self/clear_refs, Linux) after imports, and the reported number is
@@ -17,12 +17,13 @@ qzeros + g_idx of w13 and w2, router, shared experts). Ways measured:
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
+from cupy_moe import _peak_rss
+from cupy_moe.models import get_model
+from cupy_moe.testing import write_checkpoint
 
 _FROM_EXPERTS = r"""
 import json, os
@@ -70,14 +71,15 @@ MODES = {
 
 
 def measure(folder, mode: str, layer: int = 0) -> dict:
-    """Run one load in a fresh Python process and return its report (see cupy_moe._peak_rss.measure)."""
-    from cupy_moe import _peak_rss
+    """Run one load in a fresh Python process (it imports the same cupy_moe as this one) and return its report
+    (see cupy_moe._peak_rss.measure)."""
     setup, work = MODES[mode]
     return _peak_rss.measure(setup, work, folder, layer)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="take H, I and E from this cupy_moe.models shape")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--experts", type=int, default=8)
@@ -86,9 +88,9 @@ def main(argv=None):
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--modes", default="load_layer_weights,from_experts,load_file")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(_REPO))
-    from cupy_moe.testing import write_checkpoint
-
+    if args.model is not None:
+        shape = get_model(args.model)
+        args.hidden, args.intermediate, args.experts = shape.hidden, shape.intermediate, shape.num_experts
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         write_checkpoint(tmp, family="mixtral", num_layers=1, hidden=args.hidden, intermediate=args.intermediate,

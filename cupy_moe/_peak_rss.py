@@ -14,7 +14,8 @@ from pathlib import Path
 
 __all__ = ["measure", "can_reset_peak"]
 
-_REPO = Path(__file__).resolve().parent.parent
+# the child imports the same cupy_moe as this process (an installed one, or a checkout on PYTHONPATH)
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 _CHILD = r"""
 import json, sys, time
@@ -57,7 +58,7 @@ def measure(setup: str, work: str, *args: str) -> dict:
 
     Returns {extra_peak_bytes, result_bytes, seconds, peak_reset, device_bytes}.
     """
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([_PACKAGE_ROOT, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", _CHILD, setup, work, *map(str, args)], capture_output=True,
                          text=True, env=env, check=False)
     if res.returncode:
