@@ -570,6 +570,13 @@ def test_missing_files(ckpt, tmp_path):
         load_stacked(folder, 0, "w2", device=False)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_detected_from_tensor_names_alone(ckpt, family):
+    folder, _ = ckpt(family=family, num_layers=2)
+    (folder / "config.json").unlink()
+    assert inspect_checkpoint(folder)["family"] == family
+
+
 def test_index_pointing_at_wrong_file(ckpt):
     folder, _ = _mixtral(ckpt, num_shards=2)
     index = folder / "model.safetensors.index.json"

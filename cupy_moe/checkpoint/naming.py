@@ -1,8 +1,9 @@
 """Where each model family keeps one MoE layer's tensors (NamingScheme), and which family a checkpoint is.
 
 A family is recognized from config.json (`model_type`, else `architectures`), else from the tensor names.
-Adding a family or a naming variant is adding entries here: a NamingScheme in SCHEMES, its config labels in
-_MODEL_TYPES/_ARCHITECTURES, and the tensor-name marks that identify it in _TENSOR_MARKS.
+Adding a family is adding entries here: a NamingScheme in SCHEMES, its config labels in _MODEL_TYPES and
+_ARCHITECTURES, and the tensor-name marks that identify its naming in _TENSOR_MARKS. The loader reads every
+name through the NamingScheme, so it needs no change.
 """
 from __future__ import annotations
 

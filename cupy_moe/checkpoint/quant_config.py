@@ -3,8 +3,8 @@ stores a Linear's tensors.
 
 The config is found in quantize_config.json, quant_config.json (AutoAWQ) or config.json['quantization_config'].
 `quant_method` picks a parser from _PARSERS; the parsed `checkpoint_format` names a StorageFormat in FORMATS,
-which tells the loader how the tensors are laid out. Adding a quantization format is adding a parser and/or a
-StorageFormat entry.
+which tells the loader how the tensors are laid out. A format whose tensors fit StorageFormat's fields is a
+parser and/or one FORMATS entry; a new kind of layout adds a field there and its reading in loading.py.
 """
 from __future__ import annotations
 
