@@ -30,6 +30,7 @@ from . import _packing, reference
 from ._safetensors_writer import ShardWriter, edit_checkpoint
 from .checkpoint.naming import SCHEMES
 from .checkpoint.safetensors import bf16_to_f32
+from .weights import expert_shapes
 
 __all__ = ["write_checkpoint", "edit_checkpoint", "FAMILIES"]
 
@@ -332,15 +333,15 @@ def _tensor_plan(opt: _Options, modules: list, specs: list, extras: list) -> lis
             plan.append((f"{name}.weight", opt.dense_dtype, (n, k)))
         else:
             b, g, _, _ = spec
-            r = 1 if g == -1 else -(-k // g)
-            if opt.quant_method == "awq":
+            shapes = expert_shapes(k, n, b, g)
+            if opt.quant_method == "awq":  # packed along N instead
                 plan.append((f"{name}.qweight", "int32", (k, n * b // 32)))
             else:
-                plan.append((f"{name}.qweight", "int32", (k * b // 32, n)))
-            plan.append((f"{name}.qzeros", "int32", (r, n * b // 32)))
-            plan.append((f"{name}.scales", opt.scales_dtype, (r, n)))
+                plan.append((f"{name}.qweight", "int32", shapes["qweight"]))
+            plan.append((f"{name}.qzeros", "int32", shapes["qzeros"]))
+            plan.append((f"{name}.scales", opt.scales_dtype, shapes["scales"]))
             if opt.quant_method == "gptq":
-                plan.append((f"{name}.g_idx", "int32", (k,)))
+                plan.append((f"{name}.g_idx", "int32", shapes["g_idx"]))
             with_bias = with_bias or opt.zero_bias
         if with_bias:
             plan.append((f"{name}.bias", "float16", (n,)))

@@ -20,7 +20,8 @@ import numpy as np
 
 from . import _packing, _xp
 
-__all__ = ["StackedGptqWeight", "concat_n", "stacked_shapes", "num_groups", "group_len"]
+__all__ = ["StackedGptqWeight", "concat_n", "stacked_shapes", "expert_shapes", "num_groups",
+           "group_len"]
 
 _BITS = (2, 3, 4, 8)
 _FORMATS = ("gptq", "gptq_v2")
@@ -52,11 +53,16 @@ def stacked_shapes(num_experts: int, k: int, n: int, bits: int, group_size: int)
     """The shape of each array of a StackedGptqWeight with E = num_experts, K, N, bits and group_size:
 
     qweight (E, K*bits/32, N), scales (E, R, N), qzeros (E, R, N*bits/32), g_idx (E, K), R = ceil(K/G).
-    One expert of a GPTQ checkpoint stores the same shapes without the leading E.
+    One expert of a GPTQ checkpoint stores the same shapes without the leading E (expert_shapes).
     """
     r = num_groups(k, group_size)
     return {"qweight": (num_experts, k * bits // 32, n), "scales": (num_experts, r, n),
             "qzeros": (num_experts, r, n * bits // 32), "g_idx": (num_experts, k)}
+
+
+def expert_shapes(k: int, n: int, bits: int, group_size: int) -> dict[str, tuple]:
+    """The shapes one expert's tensors have in a GPTQ checkpoint: stacked_shapes without the leading E."""
+    return {name: shape[1:] for name, shape in stacked_shapes(1, k, n, bits, group_size).items()}
 
 
 @dataclass(eq=False, repr=False)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from .. import _packing, _xp
-from ..weights import StackedGptqWeight, group_len, stacked_shapes
+from ..weights import StackedGptqWeight, expert_shapes, group_len, stacked_shapes
 from .folder import Checkpoint, Module
 from .naming import NamingScheme
 from .quant_config import Quant
@@ -123,7 +123,7 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
                 if k % per or n % per:
                     raise ValueError(f"{m.where}: module '{m.name}': K={k} and N={n} must be multiples of {per} "
                                      f"to pack {b}-bit values ({source})")
-                want = {name: shape[1:] for name, shape in stacked_shapes(1, k, n, b, quant.group_size).items()}
+                want = expert_shapes(k, n, b, quant.group_size)
                 sizes = f"bits={b}, group_size={quant.group_size}, {why}"
                 if fmt.packed_along_n:
                     _expect(ckpt, m.name + ".qweight", ("I32",), (k, n * b // 32), f"AWQ [K, N*bits/32], {sizes}")
