@@ -48,9 +48,6 @@ from cupy_moe.models import BENCHMARK_MODELS, get_model  # noqa: E402
 from cupy_moe.timing import copy_bandwidth, event_time as timed, graph_time, matmul_rate, roofline_target  # noqa: E402
 from cupy_moe.weights import StackedGptqWeight  # noqa: E402
 
-# name: (H, I, E, A), for the scripts that import it
-MODELS = {name: (s.hidden, s.intermediate, s.num_experts, s.top_k) for name, s in
-          ((n, get_model(n)) for n in BENCHMARK_MODELS)}
 G = 128
 BITS = 4
 TARGETS = {"roofline": roofline_target}  # name -> (M, traffic floor s, FLOP floor s) -> target seconds or None

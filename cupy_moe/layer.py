@@ -233,7 +233,7 @@ def _experts_general(x, w13, w2, b13, b2, weights, ids):
 class MoELayer:
     """One MoE layer, callable on hidden states: routing, routed experts, shared experts.
 
-    weights: a `cupy_moe.checkpoint.MoELayerWeights` (what `load_moe_layer` returns). CuPy weights run on the
+    weights: a `cupy_moe.checkpoint.MoELayerWeights` (what `load_layer_weights` returns). CuPy weights run on the
     GPU, NumPy weights through the reference; hidden states must live where the weights do.
 
         layer = cupy_moe.MoELayer.from_checkpoint("ckpt/", layer=0)
@@ -251,8 +251,8 @@ class MoELayer:
     @classmethod
     def from_checkpoint(cls, path, layer, *, device=True, scheme=None):
         """Load layer `layer` of the checkpoint folder `path` (see `cupy_moe.load_moe_layer`)."""
-        from .checkpoint import load_moe_layer as load_weights
-        return cls(load_weights(path, layer, device=device, scheme=scheme))
+        from .checkpoint import load_layer_weights
+        return cls(load_layer_weights(path, layer, device=device, scheme=scheme))
 
     def _check_input(self, x):
         w = self.weights
@@ -404,6 +404,6 @@ def load_moe_model(path, *, device=True, progress=None, scheme=None, layers=None
     progress: None shows a progress line on stderr when it is a terminal; True/False force it; a callable is
     called as progress(done, total, layer). layers: only these indices. Other arguments as `load_moe_layer`.
     """
-    from .checkpoint import load_moe_model as load_weights
-    loaded = load_weights(path, device=device, progress=progress, scheme=scheme, layers=layers)
+    from .checkpoint import load_model_weights
+    loaded = load_model_weights(path, device=device, progress=progress, scheme=scheme, layers=layers)
     return {index: MoELayer(weights) for index, weights in loaded.items()}
