@@ -75,8 +75,8 @@ def matmul_rate(size: int = 8192) -> float:
 def roofline_target(m: int, traffic_floor: float, flop_floor: float) -> float | None:
     """The time (seconds) a GEMM phase of M tokens should take at most, from its two floors (the bytes it must move
     at the copy bandwidth, its FLOPs at the matmul rate), or None where no target is set (64 < M < 128):
-    M <= 64: traffic_floor / 0.85, or traffic_floor + 4 us where the floor is under 10 us (launch and pipeline fill
-    dominate); M >= 128: max(traffic_floor, flop_floor) / 0.70."""
+    M <= 64: traffic_floor / 0.85, or traffic_floor + 4 us where the floor is under 10 us; M >= 128:
+    max(traffic_floor, flop_floor) / 0.70."""
     if m <= 64:
         return traffic_floor + 4e-6 if traffic_floor < 10e-6 else traffic_floor / 0.85
     if m >= 128:
