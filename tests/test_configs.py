@@ -434,8 +434,8 @@ def test_name_expressions_by_source_file():
         assert sorted(by_file) == sorted(names)
         for kind, template in configs.TEMPLATES.items():
             if kind != "swapped" or arch == "sm_90a":
-                assert any(n.startswith(template + "<") for n in configs.all_name_expressions(arch,
-                                                                                             configs.KERNEL_FILES[kind]))
+                in_file = configs.all_name_expressions(arch, configs.KERNEL_FILES[kind])
+                assert any(n.startswith(template + "<") for n in in_file)
     assert configs.DECODE.source_file == configs.KERNEL_FILES["reg"]
 
 

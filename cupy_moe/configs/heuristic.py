@@ -107,8 +107,8 @@ class _Problem:
         if alt is None or cfg.kind != "reg" or cfg.split_k < 2 or WARPS_K_EXTRA_STAGES < 0:
             return cfg
         if cfg.split_k == 2 and 2 * self.ctas(cfg) <= self.slots(cfg, act_order) and self.rows <= 8:
-            # on such rows the plain split took 0.90-1.07 of the warps-along-K time, 0.95 on the geometric mean
-            # (Mixtral-8x7B down M = 16: 65.8 against 72.5 us)
+            # on such rows the plain split took 0.90-1.06 of the warps-along-K time, 0.955 on the geometric mean
+            # (Mixtral-8x7B down M = 16: 65.5 against 72.2 us)
             return cfg
         stages = -(-max(1, k // 32) // alt.ku)
         if -(-stages // alt.warps_k) > -(-stages // cfg.split_k) + WARPS_K_EXTRA_STAGES:
