@@ -3,8 +3,9 @@
 # benchmark rows (bench_gemm.py, no baseline; prints time in us and the traffic-floor ratio), and put the
 # checked-out kernels back at the end.
 #   bash benchmarks/ab_kernels.sh DIR [DIR ...]     (ROWS overrides the rows; default: six decode rows per model)
-# Typical use on the device: versions exported with `git show REV:kernels/moe_gemm.cu > abk/REV/moe_gemm.cu` into an
-# ignored folder that the device call carries. A version listed twice (first and last) shows the drift of the run.
+# Typical use on the device: versions exported with
+# `git archive REV kernels | tar -x --strip-components=1 -C abk/REV` into an ignored folder that the device call
+# carries. A version listed twice (first and last) shows the drift of the run.
 set -u
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 ROWS=${ROWS:---models Mixtral-8x7B,DeepSeek-V3 --m 1,16,64}

@@ -1,10 +1,9 @@
 """Time candidate tile shapes on a few representative rows (the data behind configs.py's choices).
 
-    python benchmarks/sweep_tiles.py [--probe] [--write] [--prefill-only | --decode-only]
+    python benchmarks/sweep_tiles.py [--write] [--prefill-only | --decode-only]
 Each candidate is first checked against the NumPy reference (tests/test_gpu_gemm.run_case), then timed; one line
 per (candidate, row): time in us and the fraction of the traffic floor / matmul rate. The last line,
 `bench_args: ...`, holds the winners as arguments for benchmarks/bench_gemm.py.
---probe also times the decode candidates with the weight loads only (CUPY_MOE_PROBE=6, see kernels/moe_gemm.cu);
 --write makes the winners configs.py's defaults; --prefill-only / --decode-only skip the other regime's candidates
 (its defaults stay).
 On sm_90a the tc candidates run the wgmma variant (CUPY_MOE_HOPPER=0: the mma.sync one).
@@ -61,7 +60,6 @@ def check(cfgs):
 
 
 def main():
-    probe = "--probe" in sys.argv
     copy_bw, mm_rate = bg.copy_bandwidth(), bg.matmul_rate()
 
     def time_rows(rows, label):
@@ -95,12 +93,6 @@ def main():
         if logt < best_pre[0]:
             best_pre = (logt, c64, c128, rows64)
     configs.ROWS_64_MAX = default_rows64
-    if probe:  # last: the probe builds replace the real ones in this process
-        bg.set_probe(6)
-        for c16, c32 in DECODE:
-            for c in (c16, c32):
-                bg.use_tile(c)
-            time_rows(DECODE_ROWS, f"loads-only {bg.tile_spec(c16)};{bg.tile_spec(c32)}")
     _, c16, c32 = best_dec
     _, c64, c128, rows64 = best_pre
     print(f"bench_args: --tiles {bg.tile_spec(c16)};{bg.tile_spec(c32)};{bg.tile_spec(c64)};{bg.tile_spec(c128)} "

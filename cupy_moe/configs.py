@@ -1,6 +1,6 @@
 """Tile choice for the fused GPTQ MoE GEMM, in one place.
 
-Three kernels (kernels/moe_gemm.cu):
+Three kernels, one file each (GemmConfig.source_file):
 
 - `moe_gemm` (kind "reg", decode, 16- and 32-row blocks): warps side by side over 128 columns (DECODE, 16 x 128)
   or along K (DECODE_WK, 16 x 32 with 4 warps on 4 K slices summed in shared memory in a fixed order); a
@@ -10,7 +10,7 @@ Three kernels (kernels/moe_gemm.cu):
 - `moe_gemm_tc` (kind "tc", prefill, 64 x 256 and 128 x 256): each weight is dequantized once into a shared-memory
   B tile; wgmma on sm_90a, ldmatrix + mma.sync elsewhere. Act-order weights at these block sizes run the
   `moe_gemm` shapes of ACT_ORDER_SHAPES.
-- `moe_gemm_ws` (kind "ws", sm_90a only): the operands swapped, weights dequantized straight into wgmma's register
+- `moe_gemm_swapped` (kind "ws", sm_90a only): the operands swapped, weights dequantized straight into wgmma's register
   A operand. HOPPER_SHAPES maps block sizes to it (32 rows: WS_32); off sm_90a, with act-order or with pair-ordered
   activations the portable shape of that block size runs instead.
 
@@ -68,10 +68,13 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 # moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng, warps_k): 16 x 128 and 16 x 32 x 4
 # at most 128 registers, 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
-WS_RESIDENT_PER_SM = 2  # moe_gemm_ws 32 x 256: about 125 registers x 256 threads
+WS_RESIDENT_PER_SM = 2  # moe_gemm_swapped 32 x 256: about 125 registers x 256 threads
 _MAX_SPLIT = 16
 SPLIT_FILL_STAGES = 4  # the split estimate's stages per CTA for its pipeline fill, epilogue and partials
 FULL_WAVE = 0.9  # a split 64-row pick becomes 128 rows unsplit where that grid fills this much of its waves
+
+
+_SOURCE_FILES = {"reg": "moe_gemm_decode.cu", "tc": "moe_gemm_prefill.cu", "ws": "moe_gemm_swapped.cu"}
 
 
 @dataclass(frozen=True)
@@ -90,7 +93,7 @@ class GemmConfig:
     stages: int = 4
     split_k: int = 1
     kind: str = "reg"  # "reg": moe_gemm (B dequantized in registers), "tc": moe_gemm_tc (B in shared memory),
-    # "ws": moe_gemm_ws (sm_90a: weights as the wgmma M side in registers; warps_m 1, warps_n 8, ng m64 tiles per
+    # "ws": moe_gemm_swapped (sm_90a: weights as the wgmma M side in registers; warps_m 1, warps_n 8, ng m64 tiles per
     # warpgroup, so block_n = 128 * ng)
     warps_k: int = 1  # moe_gemm: warps side by side along K, each on its own slice, summed in shared memory
 
@@ -107,6 +110,11 @@ class GemmConfig:
         """Block rows with a kind mark, as benchmarks and `tune` print it: '16', '16k' (warps along K), '32s' (the
         swapped-operand kernel)."""
         return f"{self.block_m}{'s' if self.kind == 'ws' else 'k' if self.warps_k > 1 else ''}"
+
+    @property
+    def source_file(self) -> str:
+        """The file of kernels/ that holds this kind's kernel template."""
+        return _SOURCE_FILES[self.kind]
 
     @property
     def threads(self) -> int:
@@ -138,7 +146,7 @@ class GemmConfig:
     def name_expression(self, bf16: bool, bits: int, act_order: bool, group_len: int | None = None,
                         hopper: bool = False, k: int | None = None, pair_a: bool = False) -> str:
         """The kernel instance; hopper: the tc kernel's wgmma variant (sm_90a; moe_gemm has none); pair_a: the
-        activations in pair order (4-bit; moe_gemm and the tc kernel, see kPairA in moe_gemm.cu)."""
+        activations in pair order (4-bit; moe_gemm and the tc kernel, see kPairA in moe_gemm_decode.cu)."""
         b = lambda flag: "true" if flag else "false"
         if pair_a and (bits != 4 or self.kind == "ws"):
             raise ValueError(f"pair_a: expected 4-bit weights and kind 'reg' or 'tc', got {bits}-bit, kind "
@@ -147,7 +155,7 @@ class GemmConfig:
             if act_order or not hopper:
                 raise ValueError("kind 'ws': expected hopper=True and act_order=False (kernel_instance falls back), "
                                  f"got hopper={hopper}, act_order={act_order}")
-            return f"moe_gemm_ws<{b(bf16)}, {bits}, {self.block_m}, {self.ng}, {self.stages}, {self.ku}>"
+            return f"moe_gemm_swapped<{b(bf16)}, {bits}, {self.block_m}, {self.ng}, {self.stages}, {self.ku}>"
         if self.kind == "tc":
             if act_order:
                 raise ValueError("act_order: expected False for the tc kernel (use kernel_instance), got True")
@@ -158,13 +166,13 @@ class GemmConfig:
                 f"{self.ku}, {self.stages}, {gm}, {self.min_ctas(act_order)}, {b(pair_a)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
-        """Dynamic shared memory of one launch (must match TcSmem in moe_gemm.cu); 0 for moe_gemm (static).
+        """Dynamic shared memory of one launch (must match TcSmem in moe_gemm_prefill.cu); 0 for moe_gemm (static).
 
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
         two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
         base."""
         bn = self.block_n
-        if self.kind == "ws":  # WsSmem in moe_gemm.cu
+        if self.kind == "ws":  # SwappedSmem in moe_gemm_swapped.cu
             step = -(-(self.block_m * 64 + bits * (bn * 4 + 32) + bn * 2 + bn * bits // 8) // 512) * 512
             return self.stages * self.ku * step + 1024
         if self.kind != "tc":

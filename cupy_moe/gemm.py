@@ -1,6 +1,7 @@
 """fused_moe_gemm: one launch computes every (token, expert) pair of one MoE phase from raw stacked GPTQ weights.
 
-NumPy inputs run `cupy_moe.reference.fused_moe_gemm` (same signature); CuPy inputs run `kernels/moe_gemm.cu`.
+NumPy inputs run `cupy_moe.reference.fused_moe_gemm` (same signature); CuPy inputs run the kernels of
+`kernels/moe_gemm_decode.cu`, `moe_gemm_prefill.cu` and `moe_gemm_swapped.cu` (the config's source_file).
 The launcher checks, allocates (the output only; the split-K workspace is allocated once and cached), launches.
 """
 from __future__ import annotations
@@ -12,7 +13,6 @@ from ._xp import is_device_array, require_gpu
 
 __all__ = ["fused_moe_gemm"]
 
-_FILE = "moe_gemm.cu"
 _WORKSPACES: dict = {}  # (device, stream) -> [partials float32, tickets int32]: grow-only, tickets kept at zero
 _SMEM_SET: dict = {}  # (kernel name, device) -> (RawKernel, dynamic shared-memory bytes already allowed for it)
 
@@ -195,7 +195,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     else:
         partials = tickets = None
     # ---- launch
-    kern = _compile.get_kernel(_FILE, name)
+    kern = _compile.get_kernel(cfg.source_file, name)
     smem_key = (name, cp.cuda.Device().id)
     allowed = _SMEM_SET.get(smem_key)
     if smem and (allowed is None or allowed[0] is not kern or allowed[1] < smem):  # opt in above 48 KiB once

@@ -88,7 +88,7 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
     cfg, name, smem = configs.kernel_instance(ws, False, 4, True, 128, hopper=True)
     assert cfg.kind == "reg" and cfg.block_m == 32 and cfg.split_k == ws.split_k and name.startswith("moe_gemm<")
     cfg, name, smem = configs.kernel_instance(ws, False, 4, False, 128, hopper=True)
-    assert name == "moe_gemm_ws<false, 4, 32, 2, 6, 1>" and smem == 6 * 7168 + 1024
+    assert name == "moe_gemm_swapped<false, 4, 32, 2, 6, 1>" and smem == 6 * 7168 + 1024
     assert name in configs.all_name_expressions("sm_90a") and name not in configs.all_name_expressions("sm_80")
 
 
@@ -191,7 +191,7 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     assert configs.kernel_instance(tc, False, 4, False, 128)[1].endswith(", false, false>")
     _, name, smem = configs.kernel_instance(tc, False, 4, False, 128, hopper=True)
     assert name == f"moe_gemm_tc<false, 4, 128, {tc.block_n}, {tc.stages}, {tc.ku}, true, false>"
-    # wgmma: 32-k steps rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm.cu
+    # wgmma: 32-k steps rounded to 512 bytes (swizzle period) plus 1 KiB to align the base; TcSmem in moe_gemm_prefill.cu
     step = 128 * 64 + 4 * tc.block_n * 4 + tc.block_n * 2 + tc.block_n // 2
     assert smem == tc.stages * tc.ku * (-(-step // 512) * 512) + 2 * tc.ku * tc.block_n * 64 + 1024
     # the decode kernel has no Hopper variant and uses static shared memory only

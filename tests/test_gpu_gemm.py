@@ -182,7 +182,7 @@ def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype
     number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable shape instead)."""
     from cupy_moe import _compile
     if _compile.device_arch() != "sm_90a":
-        pytest.skip("moe_gemm_ws needs sm_90a")
+        pytest.skip("moe_gemm_swapped needs sm_90a")
     cfg = configs.GemmConfig(mt=block_m // 16, warps_m=1, warps_n=8, ng=ng, ku=ku, stages=stages, kind="ws")
     monkeypatch.setitem(configs.HOPPER_SHAPES, block_m, cfg)
     rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * ng)
@@ -295,7 +295,7 @@ def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
     (16, False, "float16"), (16, True, "bfloat16"), (32, False, "bfloat16"), (64, False, "float16"),
     (128, False, "bfloat16"), (128, True, "float16")])
 def test_gemm_pair_order(block_m, act_order, dtype_name, hopper, monkeypatch):
-    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm.cu, kPairA) give the reference's result
+    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm_decode.cu, kPairA) give the reference's result
     on every kernel that takes them (the decode kernel, the tc kernel; a 32-row block falls back from the ws kernel
     to the decode kernel), with split-K and warps along K; 8-bit weights are rejected."""
     from cupy_moe.reference import to_pair_order
