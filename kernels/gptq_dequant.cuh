@@ -14,7 +14,7 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
   return d;
 }
 
-// Byte permute: re-pairs activations and 8-bit codes in one PRMT.
+// Byte permute in one PRMT: re-pairs activations and dequantized pairs, puts 8-bit codes under the fp16 magic number.
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
 
 // fp16x2 a - b (exact for the magic-number codes: q - z in one op).
@@ -270,7 +270,7 @@ __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], con
   }
 }
 
-// ---- register A fragments of the swapped Hopper kernel (moe_gemm_swapped): the weights are the wgmma M side --------
+// ---- register A fragments of the swapped Hopper kernel (moe_gemm_swapped): the weights are the wgmma M side ----
 // For one output column and one 32-k chunk, f[i] = the pair k (8i + 2t, 8i + 2t + 1) (t = lane % 4): f[0], f[1] are
 // the column's k 2t and 2t + 8 pairs of the chunk's first k16 step, f[2], f[3] those of the second. 4-bit: the pair
 // is byte t of word i (words = the chunk's 4 qweight rows); 8-bit: half (t & 1) of word 2i + (t >> 1) (8 rows).
