@@ -1,6 +1,7 @@
 """fused_moe_gemm: one launch computes every (token, expert) pair of one MoE phase from raw stacked GPTQ weights.
 
-NumPy inputs run `cupy_moe.reference.fused_moe_gemm` (same signature); CuPy inputs run `kernels/moe_gemm.cu`.
+NumPy inputs run `cupy_moe.reference.fused_moe_gemm` (same signature); CuPy inputs run the kernel family of the
+configuration (`kernels/moe_gemm_decode.cu`, `moe_gemm_prefill.cu` or `moe_gemm_swapped.cu`: its source_file).
 The launcher checks, allocates (the output only; the split-K workspace is allocated once per stream and cached),
 launches the configuration it is given (`config=`, from `configs.choose_config`) or chooses one itself.
 """

@@ -304,7 +304,7 @@ def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
     (16, False, "float16"), (16, True, "bfloat16"), (32, False, "bfloat16"), (64, False, "float16"),
     (128, False, "bfloat16"), (128, True, "float16")])
 def test_gemm_pair_order(block_m, act_order, dtype_name, hopper, monkeypatch):
-    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm.cu, kPairA) give the reference's result
+    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm_decode.cu, kPairA) give the reference's result
     on every kernel that takes them (the decode kernel, the tc kernel; a 32-row block falls back from the ws kernel
     to the decode kernel), with split-K and warps along K; 8-bit weights are rejected."""
     from cupy_moe.reference import to_pair_order

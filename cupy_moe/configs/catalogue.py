@@ -27,8 +27,8 @@ __all__ = ["GemmConfig", "KERNEL_FILES", "TEMPLATES", "KERNEL_SHAPES", "ACT_ORDE
            "SWAPPED_32", "MAX_SPLIT", "fallback", "max_split_k", "all_name_expressions"]
 
 # The CUDA source of each kind (kernels/<file>), and the template each kind instantiates.
-KERNEL_FILES = {"reg": "moe_gemm.cu", "tc": "moe_gemm.cu", "swapped": "moe_gemm.cu"}
-TEMPLATES = {"reg": "moe_gemm", "tc": "moe_gemm_tc", "swapped": "moe_gemm_ws"}
+KERNEL_FILES = {"reg": "moe_gemm_decode.cu", "tc": "moe_gemm_prefill.cu", "swapped": "moe_gemm_swapped.cu"}
+TEMPLATES = {"reg": "moe_gemm", "tc": "moe_gemm_tc", "swapped": "moe_gemm_swapped"}
 
 # CTAs resident per SM for each block_m without a launch bound (shared memory / registers of the default shapes,
 # ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256
@@ -161,7 +161,7 @@ class GemmConfig:
                 f"{self.ng}, {self.ku}, {self.stages}, {gm}, {self.min_ctas(act_order)}, {b(pair_a)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
-        """Dynamic shared memory of one launch (must match TcSmem / WsSmem in the kernels); 0 for kind "reg"
+        """Dynamic shared memory of one launch (must match TcSmem in moe_gemm_prefill.cu, SwappedSmem in moe_gemm_swapped.cu); 0 for kind "reg"
         (static).
 
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
