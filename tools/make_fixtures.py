@@ -72,7 +72,7 @@ FIXTURES = [
     Fixture("qwen3_moe_gptq_w8_g128", "gptqmodel", "qwen3_moe", 8, 128, intermediate=128),
     Fixture("deepseek_v2_gptq_w4_g64_grouped", "gptqmodel", "deepseek_v2", 4, 64, layer=2),
     Fixture("deepseek_v3_gptq_w4_g128_sharded", "gptqmodel", "deepseek_v3", 4, 128, intermediate=128,
-            shard_kb=400, layer=2, dtype="bfloat16"),
+            shard_kb=200, layer=2, dtype="bfloat16"),
     Fixture("qwen3_moe_ct_w4a16_g128_sym", "llmcompressor", "qwen3_moe", 4, 128, intermediate=128),
     Fixture("mixtral_ct_w4a16_g64_asym", "llmcompressor", "mixtral", 4, 64, sym=False, actorder="weight"),
 ]
