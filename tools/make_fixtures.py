@@ -62,6 +62,7 @@ class Fixture:
     layer: int = 1  # the decoder layer whose MoE block io.npz covers
     dtype: str = "float16"  # the model's float dtype (bfloat16: x and y are stored as exact float32)
     extra: dict = field(default_factory=dict)  # config overrides
+    dynamic: dict | None = None  # GPTQModel per-module overrides ("+:regex": {...}, "-:regex": {} = skip)
 
 
 HIDDEN = 128
@@ -73,6 +74,9 @@ FIXTURES = [
     Fixture("deepseek_v2_gptq_w4_g64_grouped", "gptqmodel", "deepseek_v2", 4, 64, layer=2),
     Fixture("deepseek_v3_gptq_w4_g128_sharded", "gptqmodel", "deepseek_v3", 4, 128, intermediate=128,
             shard_kb=200, layer=2, dtype="bfloat16"),
+    Fixture("deepseek_v2_gptq_w4_g128_dynamic", "gptqmodel", "deepseek_v2", 4, 128, intermediate=128, layer=2,
+            dynamic={r"+:.*\.shared_experts\..*": {"bits": 8}, r"-:.*\.self_attn\..*": {}},
+            extra={"topk_method": "greedy", "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0}),
     Fixture("qwen3_moe_ct_w4a16_g128_sym", "llmcompressor", "qwen3_moe", 4, 128, intermediate=128),
     Fixture("mixtral_ct_w4a16_g64_asym", "llmcompressor", "mixtral", 4, 64, sym=False, actorder="weight"),
 ]
@@ -305,6 +309,8 @@ def make_gptqmodel(fx: Fixture, work: Path, dest: Path):
     src = work / "float"
     cfg = build_model(fx, src)
     kw = dict(bits=fx.bits, group_size=fx.group_size, sym=fx.sym, desc_act=fx.desc_act)
+    if fx.dynamic:
+        kw["dynamic"] = fx.dynamic
     if fx.desc_act:
         kw["act_group_aware"] = False  # otherwise GPTQModel writes a group-ordered g_idx, not a permutation
     qcfg = QuantizeConfig(**kw)
