@@ -1,14 +1,14 @@
 """Peak host memory (RSS) while loading one MoE layer from a GPTQ checkpoint, against the layer's packed bytes.
 
-    python benchmarks/load_memory.py                      # H=1024, I=2816, E=8, 4-bit, G=128, 3 shards
-    python benchmarks/load_memory.py --hidden 4096 --intermediate 14336 --experts 8   # one Mixtral-8x7B layer
+    python benchmarks/load_memory.py                       # H=1024, I=2816, E=8, 4-bit, G=128, 3 shards
+    python benchmarks/load_memory.py --model Mixtral-8x7B  # one layer of that shape (cupy_moe.models)
 
 Writes a checkpoint with cupy_moe.testing.write_checkpoint, then measures each way of loading in a fresh
 process: the peak RSS counter is reset (/proc/self/clear_refs, Linux) after imports, and the reported number is
 peak RSS during the load minus RSS before it. "packed" = the bytes of the loaded layer (qweight + scales +
 qzeros + g_idx of w13 and w2, router, shared experts). Ways measured:
-  load_moe_layer     cupy_moe.checkpoint.load_moe_layer(device=False): per tensor, into preallocated stacks
-  device             load_moe_layer(device=True) (needs a GPU): host peak as above, plus the device bytes the
+  load_layer_weights cupy_moe.checkpoint.load_layer_weights(device=False): per tensor, into preallocated stacks
+  device             load_layer_weights(device=True) (needs a GPU): host peak as above, plus the device bytes the
                      CuPy memory pool holds afterwards (live arrays and any freed temporaries) vs the layer's bytes
   from_experts       safe_open(framework="numpy").get_tensor per tensor into per-expert lists, then
                      StackedGptqWeight.from_experts + concat_n (the obvious way; for comparison)
@@ -17,33 +17,20 @@ qzeros + g_idx of w13 and w2, router, shared experts). Ways measured:
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-_REPO = Path(__file__).resolve().parent.parent
+from cupy_moe import _peak_rss
+from cupy_moe.models import get_model
+from cupy_moe.testing import write_checkpoint
 
-_CHILD = r"""
-import json, os, sys, time
-import numpy as np
-
-def rss_kb(field):
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-
-folder, mode, layer = sys.argv[1], sys.argv[2], int(sys.argv[3])
+_FROM_EXPERTS = r"""
+import json, os
 from safetensors import safe_open
-from safetensors.numpy import load_file
-from cupy_moe.checkpoint import load_moe_layer
 from cupy_moe.weights import StackedGptqWeight, concat_n
 
-def via_from_experts():
+def via_from_experts(folder, layer):
     cfg = json.load(open(os.path.join(folder, "config.json")))
     q = json.load(open(os.path.join(folder, "quantize_config.json")))
     idx_path = os.path.join(folder, "model.safetensors.index.json")
@@ -62,67 +49,48 @@ def via_from_experts():
     w13 = concat_n(stack("w1"), stack("w3"))
     w2 = stack("w2")
     return w13.nbytes + w2.nbytes
-
-def reset_peak():
-    try:
-        with open("/proc/self/clear_refs", "w") as fh:
-            fh.write("5")  # reset VmHWM (peak RSS) to the current RSS
-        return True
-    except OSError:
-        return False
-
-if mode == "device":
-    import cupy
-    pool = cupy.get_default_memory_pool()
-    cupy.zeros(1)  # create the CUDA context before the counters start
-    pool_before = pool.total_bytes()
-reset = reset_peak()
-before = rss_kb("VmRSS")
-t0 = time.perf_counter()
-device_bytes = None
-if mode == "load_moe_layer":
-    out = load_moe_layer(folder, layer, device=False)
-    nbytes = out.nbytes
-elif mode == "device":
-    out = load_moe_layer(folder, layer, device=True)
-    cupy.cuda.Device().synchronize()
-    nbytes, device_bytes = out.nbytes, pool.total_bytes() - pool_before
-elif mode == "from_experts":
-    nbytes = via_from_experts()
-elif mode == "load_file":
-    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
-    tensors = [load_file(os.path.join(folder, f)) for f in files]
-    nbytes = sum(a.nbytes for t in tensors for a in t.values())
-seconds = time.perf_counter() - t0
-peak = rss_kb("VmHWM")
-print(json.dumps({"mode": mode, "extra_peak_bytes": (peak - before) * 1024, "result_bytes": nbytes,
-                  "seconds": seconds, "peak_reset": reset, "device_bytes": device_bytes}))
 """
+
+# mode -> (setup: imports, not measured; work: sets result_bytes and maybe device_bytes; args = folder, layer)
+MODES = {
+    "load_layer_weights": ("from cupy_moe.checkpoint import load_layer_weights",
+                           "result_bytes = load_layer_weights(args[0], int(args[1]), device=False).nbytes"),
+    "device": ("import cupy\nfrom cupy_moe.checkpoint import load_layer_weights\n"
+               "pool = cupy.get_default_memory_pool()\n"
+               "cupy.zeros(1)  # create the CUDA context before the counters start\n"
+               "pool_before = pool.total_bytes()",
+               "out = load_layer_weights(args[0], int(args[1]), device=True)\n"
+               "cupy.cuda.Device().synchronize()\n"
+               "result_bytes, device_bytes = out.nbytes, pool.total_bytes() - pool_before"),
+    "from_experts": (_FROM_EXPERTS, "result_bytes = via_from_experts(args[0], int(args[1]))"),
+    "load_file": ("import os\nfrom safetensors.numpy import load_file",
+                  "files = sorted(f for f in os.listdir(args[0]) if f.endswith('.safetensors'))\n"
+                  "tensors = [load_file(os.path.join(args[0], f)) for f in files]\n"
+                  "result_bytes = sum(a.nbytes for t in tensors for a in t.values())"),
+}
 
 
 def measure(folder, mode: str, layer: int = 0) -> dict:
-    """Run one load in a fresh Python process and return its JSON report."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(folder), mode, str(layer)], capture_output=True,
-                         text=True, env=env, check=False)
-    if res.returncode:
-        raise RuntimeError(f"measuring {mode} failed:\n{res.stderr}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    """Run one load in a fresh Python process (it imports the same cupy_moe as this one) and return its report
+    (see cupy_moe._peak_rss.measure)."""
+    setup, work = MODES[mode]
+    return _peak_rss.measure(setup, work, folder, layer)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="take H, I and E from this cupy_moe.models shape")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--intermediate", type=int, default=2816)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--bits", type=int, default=4)
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--modes", default="load_moe_layer,from_experts,load_file")
+    ap.add_argument("--modes", default="load_layer_weights,from_experts,load_file")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(_REPO))
-    from cupy_moe.testing import write_checkpoint
-
+    if args.model is not None:
+        shape = get_model(args.model)
+        args.hidden, args.intermediate, args.experts = shape.hidden, shape.intermediate, shape.num_experts
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         write_checkpoint(tmp, family="mixtral", num_layers=1, hidden=args.hidden, intermediate=args.intermediate,
@@ -132,10 +100,10 @@ def main(argv=None):
         print(f"checkpoint: Mixtral-style layer H={args.hidden} I={args.intermediate} E={args.experts} "
               f"bits={args.bits} G={args.group_size}, {args.shards} shard(s), {files / 2**20:.1f} MiB on disk, "
               f"written in {time.perf_counter() - t0:.1f} s")
-        print(f"{'mode':<16}{'result MiB':>12}{'extra peak RSS MiB':>20}{'peak / result':>15}{'seconds':>10}")
+        print(f"{'mode':<20}{'result MiB':>12}{'extra peak RSS MiB':>20}{'peak / result':>15}{'seconds':>10}")
         for mode in args.modes.split(","):
             r = measure(tmp, mode)
-            print(f"{mode:<16}{r['result_bytes'] / 2**20:>12.1f}{r['extra_peak_bytes'] / 2**20:>20.1f}"
+            print(f"{mode:<20}{r['result_bytes'] / 2**20:>12.1f}{r['extra_peak_bytes'] / 2**20:>20.1f}"
                   f"{r['extra_peak_bytes'] / r['result_bytes']:>15.2f}{r['seconds']:>10.2f}"
                   + ("" if r["peak_reset"] else "  (peak counter not resettable: includes import peak)")
                   + ("" if r["device_bytes"] is None else

@@ -1,10 +1,15 @@
-"""Plot a bench_gemm.py --json result over M, one panel per model: the fraction of the traffic floor (floor time /
-our time, solid) and of the matmul rate (achieved TFLOP/s / cupy.matmul fp16 rate, dashed) for both phases, with the
-issue-6 targets (0.85 of the traffic floor at decode, 0.70 of the matmul rate at prefill) as dotted lines.
+"""Plot a bench_gemm.py --json result: the fraction of the roofline reached over M, one panel per model.
 
     python benchmarks/plot_bench.py bench.json docs/performance.png
-Both ceilings were measured in the same run (device copy bandwidth, cupy.matmul fp16 at 8192^3).
+
+Roofline of a row = max(traffic floor, FLOP floor), both measured in the benchmark's own run: the traffic floor is
+the row's bytes over the device copy bandwidth, the FLOP floor its 2*P*K*N FLOPs over the cupy.matmul fp16 rate
+(`cupy_moe.timing`). The plotted fraction is roofline / time (1.0: as fast as the floors allow). A row gives its
+floors as `traffic_floor_us` and `flop_floor_us`, or as ratios to its time (`floor_ratio`, `flop_ratio`); either set
+is read. Panels follow the order of `cupy_moe.models`; one line per GEMM phase.
 """
+from __future__ import annotations
+
 import json
 import math
 import sys
@@ -14,13 +19,37 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from cupy_moe.models import MODELS  # noqa: E402
+
 PHASE_COLORS = {"gate_up": "tab:blue", "down": "tab:orange"}
 
 
+def _floor_us(row: dict, us_key: str, ratio_key: str) -> float:
+    if row.get(us_key) is not None:
+        return float(row[us_key])
+    if row.get(ratio_key) is not None:
+        return float(row[ratio_key]) * float(row["time_us"])
+    raise ValueError(f"row {row.get('model')} {row.get('phase')} M={row.get('m')}: expected {us_key!r} or "
+                     f"{ratio_key!r}, got keys {sorted(row)}")
+
+
+def roofline_fraction(row: dict) -> float:
+    """max(traffic floor, FLOP floor) / time of one benchmark row."""
+    traffic = _floor_us(row, "traffic_floor_us", "floor_ratio")
+    flops = _floor_us(row, "flop_floor_us", "flop_ratio")
+    return max(traffic, flops) / float(row["time_us"])
+
+
+def _model_order(names):
+    known = {name.lower(): i for i, name in enumerate(MODELS)}
+    return sorted(dict.fromkeys(names), key=lambda n: (known.get(n.lower(), len(known)), n))
+
+
 def main(src, dst):
-    data = json.load(open(src))
+    with open(src) as fh:
+        data = json.load(fh)
     rows = data["rows"]
-    models = list(dict.fromkeys(r["model"] for r in rows))
+    models = _model_order(r["model"] for r in rows)
     cols = min(4, len(models))
     nrows = math.ceil(len(models) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.9 * nrows), sharex=True, sharey=True,
@@ -28,15 +57,9 @@ def main(src, dst):
     for ax, model in zip(axes.flat, models):
         for phase, color in PHASE_COLORS.items():
             sel = sorted((r for r in rows if r["model"] == model and r["phase"] == phase), key=lambda r: r["m"])
-            if not sel:
-                continue
-            ms = [r["m"] for r in sel]
-            ax.plot(ms, [r["floor_ratio"] for r in sel], "-", color=color, marker="o", ms=3,
-                    label=f"{phase}: traffic floor / time")
-            ax.plot(ms, [r["flop_ratio"] for r in sel], "--", color=color, marker="s", ms=3,
-                    label=f"{phase}: TFLOP/s / matmul rate")
-        ax.axhline(0.85, color="k", ls=":", lw=0.8)
-        ax.axhline(0.70, color="gray", ls=":", lw=0.8)
+            if sel:
+                ax.plot([r["m"] for r in sel], [roofline_fraction(r) for r in sel], "-", color=color, marker="o",
+                        ms=3, label=phase)
         ax.set_title(model, fontsize=9)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 1.05)
@@ -46,15 +69,22 @@ def main(src, dst):
     for ax in axes[-1]:
         ax.set_xlabel("tokens M")
     for ax in axes[:, 0]:
-        ax.set_ylabel("fraction of the ceiling")
+        ax.set_ylabel("roofline / time")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"fused GPTQ MoE GEMM, one phase, {data['gpu']}: copy {data['copy_bw'] / 1e12:.2f} TB/s, "
-                 f"matmul {data['mm_rate'] / 1e12:.0f} TFLOP/s; dotted: targets 0.85 (decode) and 0.70 (prefill)",
-                 fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=len(PHASE_COLORS), fontsize=8)
+    measured = []
+    if data.get("copy_bw"):
+        measured.append(f"copy {data['copy_bw'] / 1e12:.2f} TB/s")
+    if data.get("mm_rate"):
+        measured.append(f"matmul {data['mm_rate'] / 1e12:.0f} TFLOP/s")
+    fig.suptitle(f"fused GPTQ MoE GEMM, one phase, {data.get('gpu', 'GPU')}"
+                 + (f" ({', '.join(measured)})" if measured else "")
+                 + ": fraction of max(traffic floor, FLOP floor)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(dst, dpi=110)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if len(sys.argv) != 3:
+        sys.exit("usage: python benchmarks/plot_bench.py BENCH_JSON OUT_PNG")
+    main(sys.argv[1], sys.argv[2])

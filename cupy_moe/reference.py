@@ -8,7 +8,7 @@ Legend (shape letters, as everywhere in cupy_moe):
     G group size, P = M * A (token, expert) pairs, B align block size, C align capacity,
     H hidden size, I expert intermediate size, R rows of qzeros/scales = ceil(K / G).
 
-GPTQ layout (see shared/GPTQ_FORMAT.md): one Linear computes y = x @ W with W [K, N] and
+GPTQ layout (see docs/gptq_layout.md): one Linear computes y = x @ W with W [K, N] and
     W[k, n] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n])
 codes q packed along K into qweight [K*bits/32, N], zero points packed along N into qzeros [R, N*bits/32].
 Inside a 32-bit word the least-significant field holds the lowest index (4-bit, one word of qweight):
@@ -279,7 +279,7 @@ def act_order_g_idx(k, group_size, rng):
 
 
 def quantize(w, *, bits, group_size, sym=True, g_idx=None):
-    """Round-to-nearest GPTQ quantizer (GPTQ_FORMAT.md §5) writing genuine checkpoint tensors.
+    """Round-to-nearest GPTQ quantizer writing genuine checkpoint tensors.
 
     w: float [K, N] (W of y = x @ W, i.e. nn.Linear.weight transposed). K a multiple of 32/bits
        (of 32 for 3 bits), N likewise (qzeros pack along N).

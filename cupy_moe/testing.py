@@ -1,7 +1,7 @@
 """Write genuine GPTQ (and AWQ GEMM) Mixture-of-Experts checkpoints for tests, examples and the demo.
 
 No model is downloaded anywhere in cupy_moe: `write_checkpoint` makes random float weights, quantizes them with
-the reference round-to-nearest quantizer (`cupy_moe.reference.quantize`, GPTQ_FORMAT.md §5) and saves them the
+the reference round-to-nearest quantizer (`cupy_moe.reference.quantize`) and saves them the
 way AutoGPTQ / GPTQModel / AutoAWQ lay them out: each family's tensor names, config.json and
 quantize_config.json, GPTQ v1 or gptq_v2 zero points, sym or asym, act-order g_idx, bf16 scales, all-zero
 `.bias` tensors, shards that split one module's tensors across files, GPTQModel `dynamic` rules.
@@ -17,18 +17,20 @@ G group size, R = ceil(K/G).
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
-import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
 
 import numpy as np
 
-from . import reference
+from . import _packing, reference
+from ._safetensors_writer import ShardWriter, edit_checkpoint
+from .checkpoint.naming import SCHEMES
+from .checkpoint.safetensors import bf16_to_f32
+from .weights import expert_shapes
 
 __all__ = ["write_checkpoint", "edit_checkpoint", "FAMILIES"]
 
@@ -36,11 +38,7 @@ FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 _ARCH = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
          "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
-# NumPy dtype name -> safetensors dtype name. bfloat16 is written from uint16 bit patterns.
-_ST_NAME = {"int32": "I32", "float16": "F16", "float32": "F32", "bfloat16": "BF16", "int64": "I64"}
 _QUANT_CHUNK = 512  # columns per reference.quantize call (a multiple of 32: whole qzeros words for any bits)
-_AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])  # AWQ GEMM: nibble i of a word holds column 8c + _AWQ_ORDER[i]
-_V1_WORD_ADD = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -52,15 +50,11 @@ def _to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
-def _from_bf16_bits(b: np.ndarray) -> np.ndarray:
-    return (b.astype(np.uint32) << 16).view(np.float32)
-
-
 def _store_float(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(array to write, its values as float32) for a float tensor stored as float16/bfloat16/float32."""
     if dtype == "bfloat16":
         bits = _to_bf16_bits(x)
-        return bits, _from_bf16_bits(bits)
+        return bits, bf16_to_f32(bits)
     stored = np.ascontiguousarray(x, dtype=dtype)
     return stored, stored.astype(np.float32)
 
@@ -93,76 +87,14 @@ def _zeros_to_format(q: reference.QuantizedLinear, bits: int, fmt: str) -> np.nd
     """qzeros of `q` (v1 when sym, v2 when asym) re-expressed in checkpoint format `fmt`."""
     if q.checkpoint_format == fmt:
         return q.qzeros
-    mask = (1 << bits) - 1
     if fmt == "gptq_v2":  # v1 -> real zeros
-        return reference.pack_cols((reference.unpack_cols(q.qzeros, bits) + 1) & mask, bits)
-    # real -> v1, as GPTQModel exports it: subtract 1 from every field of a word at once (a real zero of 0
-    # borrows from the next field; the loader's word-level add undoes it exactly). 3 bits: per field.
-    if bits in _V1_WORD_ADD:
-        words = q.qzeros.view(np.uint32).astype(np.int64) - _V1_WORD_ADD[bits]
-        return (words % (1 << 32)).astype(np.uint32).view(np.int32)
-    return reference.pack_cols((reference.unpack_cols(q.qzeros, bits) - 1) & mask, bits)
+        return _packing.v1_to_real(q.qzeros, bits)
+    return _packing.real_to_v1(q.qzeros, bits)  # as GPTQModel exports it (word-level, borrows included)
 
 
 def _awq_pack(values: np.ndarray) -> np.ndarray:
-    """uint [X, N] 4-bit values -> AWQ GEMM int32 [X, N/8]: nibble i of word c holds column 8c + order[i]."""
-    x, n = values.shape
-    interleaved = values.reshape(x, n // 8, 8)[..., _AWQ_ORDER].reshape(x, n)
-    return reference.pack_cols(interleaved, 4)
-
-
-# --------------------------------------------------------------------------- safetensors writing
-
-
-class _ShardWriter:
-    """Writes safetensors files whose headers are fixed up front, then appends tensors in header order."""
-
-    def __init__(self, folder: Path, plan: list[tuple[str, str, tuple]], num_shards: int, file_name: str):
-        self.folder = folder
-        if num_shards == 1:
-            names = [file_name]
-        else:
-            names = [f"model-{i + 1:05d}-of-{num_shards:05d}.safetensors" for i in range(num_shards)]
-        # Round-robin by tensor: one module's qweight/qzeros/scales/g_idx land in different files.
-        self.where = {}
-        headers = [dict() for _ in names]
-        offsets = [0] * len(names)
-        for i, (tname, dtype, shape) in enumerate(plan):
-            s = i % len(names)
-            nbytes = math.prod(shape) * np.dtype(dtype if dtype != "bfloat16" else np.uint16).itemsize
-            headers[s][tname] = {"dtype": _ST_NAME[dtype], "shape": list(shape),
-                                 "data_offsets": [offsets[s], offsets[s] + nbytes]}
-            offsets[s] += nbytes
-            self.where[tname] = (s, dtype, tuple(shape))
-        self.files = []
-        for name, header in zip(names, headers):
-            header = {"__metadata__": {"format": "pt"}, **header}
-            raw = json.dumps(header, separators=(",", ":")).encode()
-            raw += b" " * (-len(raw) % 8)  # keep the data 8-byte aligned, as safetensors does
-            fh = open(folder / name, "wb")
-            fh.write(struct.pack("<Q", len(raw)) + raw)
-            self.files.append(fh)
-        self.names = names
-        self.total = sum(offsets)
-        self.pending = [iter([t for t, (s, _, _) in self.where.items() if s == i]) for i in range(len(names))]
-
-    def write(self, tname: str, array: np.ndarray):
-        s, dtype, shape = self.where[tname]
-        expect = next(self.pending[s])
-        if expect != tname:  # header order is the write order; anything else is a bug in the writer
-            raise RuntimeError(f"internal: wrote '{tname}' to {self.names[s]}, expected '{expect}' next")
-        want = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
-        if array.dtype != want or array.shape != shape:
-            raise RuntimeError(f"internal: '{tname}' is {array.dtype} {array.shape}, planned {dtype} {shape}")
-        self.files[s].write(np.ascontiguousarray(array).tobytes())
-
-    def close(self, index: bool):
-        for fh in self.files:
-            fh.close()
-        if index:
-            weight_map = {t: self.names[s] for t, (s, _, _) in self.where.items()}
-            with open(self.folder / "model.safetensors.index.json", "w") as fh:
-                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, fh, indent=2)
+    """uint [X, N] 4-bit values -> AWQ GEMM int32 [X, N/8], packed along N in the AWQ nibble order."""
+    return _packing.pack(_packing.awq_interleave(values), 4)
 
 
 # --------------------------------------------------------------------------- the writer
@@ -226,17 +158,84 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     values that were quantized, or the stored values for dense ones); for every other tensor written (biases,
     e_score_correction_bias) its stored values as float32, keyed by tensor name.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"family: expected one of {FAMILIES}, got {family!r}")
-    if quant_method not in ("gptq", "awq"):
-        raise ValueError(f"quant_method: expected 'gptq' or 'awq', got {quant_method!r}")
-    fmt = checkpoint_format or ("gptq" if sym else "gptq_v2")
-    if fmt not in ("gptq", "gptq_v2"):
+    opt = _Options(family=family, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
+                   fmt=checkpoint_format or ("gptq" if sym else "gptq_v2"), quant_method=quant_method,
+                   scales_dtype=scales_dtype, dense_dtype=dense_dtype, zero_bias=zero_bias, bias=bias,
+                   quantize_shared=quantize_shared, dynamic=dynamic, return_weights=return_weights,
+                   weight_std=weight_std)
+    _check_options(opt, checkpoint_format, quant_config_files, num_shards)
+    sizes = _sizes(family, num_layers, hidden, intermediate, num_experts, shared_intermediate,
+                   first_k_dense_replace, dense_intermediate)
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.json")):
+        old.unlink()  # a rewrite must not leave stale shards or configs behind
+
+    modules, extras = _module_names(family, sizes)
+    specs = [_quant_spec(opt, name, role) for name, _, _, role, _ in modules]
+    plan = _tensor_plan(opt, modules, specs, extras)
+    # Every module draws from its own generator: results do not depend on which thread ran what.
+    seeds = np.random.SeedSequence(seed).spawn(len(modules) + 1)
+    rng = np.random.default_rng(seeds[-1])
+    g_idxs = _act_order_g_idxs(opt, modules, specs, rng, same_gate_up_g_idx)
+    writer = ShardWriter(folder, plan, num_shards, file_name)
+    try:
+        out = _write_modules(opt, writer, modules, specs, g_idxs, seeds)
+        for tname, kind, shape in extras:
+            vals = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1) if kind == "score_bias"
+                    else np.ones(shape, np.float32))
+            stored, values = _store_float(vals, "float32" if kind == "score_bias" else dense_dtype)
+            writer.write(tname, stored)
+            if return_weights:
+                out[tname] = values
+    finally:
+        writer.close(index=num_shards > 1)
+
+    in_block = None
+    if modules_in_block_to_quantize:
+        in_block = [[name[len(SCHEMES[family].block.format(layer=layer)) + 1:]
+                     for (name, _, _, _, layer), spec in zip(modules, specs) if spec is not None]]
+    _write_configs(folder, family=family, num_layers=num_layers, h=hidden, i=intermediate, e_count=num_experts,
+                   top_k=top_k, shared_intermediate=sizes.shared_intermediate if sizes.has_shared else None,
+                   n_shared=sizes.n_shared, first_k_dense_replace=sizes.first_k_dense_replace,
+                   dense_intermediate=sizes.dense_intermediate, bits=bits, group_size=group_size, sym=sym,
+                   desc_act=desc_act, fmt=opt.fmt, quant_method=quant_method, dynamic=dynamic,
+                   dense_dtype=dense_dtype, in_block=in_block, quant_config_files=quant_config_files,
+                   extra_config=extra_config, extra_quant_config=extra_quant_config)
+    return out
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The write_checkpoint arguments that decide how each module is stored."""
+    family: str
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    fmt: str
+    quant_method: str
+    scales_dtype: str
+    dense_dtype: str
+    zero_bias: bool
+    bias: bool
+    quantize_shared: bool
+    dynamic: dict | None
+    return_weights: bool
+    weight_std: float
+
+
+def _check_options(opt: _Options, checkpoint_format, quant_config_files: str, num_shards: int):
+    if opt.family not in FAMILIES:
+        raise ValueError(f"family: expected one of {FAMILIES}, got {opt.family!r}")
+    if opt.quant_method not in ("gptq", "awq"):
+        raise ValueError(f"quant_method: expected 'gptq' or 'awq', got {opt.quant_method!r}")
+    if opt.fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint_format: expected 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
-    if quant_method == "awq" and (bits != 4 or desc_act):
-        raise ValueError(f"quant_method='awq': expected bits=4 and desc_act=False, got bits={bits}, "
-                         f"desc_act={desc_act}")
-    for name, val in (("scales_dtype", scales_dtype), ("dense_dtype", dense_dtype)):
+    if opt.quant_method == "awq" and (opt.bits != 4 or opt.desc_act):
+        raise ValueError(f"quant_method='awq': expected bits=4 and desc_act=False, got bits={opt.bits}, "
+                         f"desc_act={opt.desc_act}")
+    for name, val in (("scales_dtype", opt.scales_dtype), ("dense_dtype", opt.dense_dtype)):
         if val not in ("float16", "bfloat16", "float32"):
             raise ValueError(f"{name}: expected 'float16', 'bfloat16' or 'float32', got {val!r}")
     if quant_config_files not in ("both", "quantize_config", "quant_config", "config"):
@@ -244,13 +243,25 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
                          f"got {quant_config_files!r}")
     if num_shards < 1:
         raise ValueError(f"num_shards: expected >= 1, got {num_shards}")
-    folder = Path(path)
-    folder.mkdir(parents=True, exist_ok=True)
-    for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.json")):
-        old.unlink()  # a rewrite must not leave stale shards or configs behind
 
+
+@dataclass(frozen=True)
+class _Sizes:
+    num_layers: int
+    h: int
+    i: int
+    e_count: int
+    has_shared: bool
+    shared_intermediate: int  # I_s
+    n_shared: int  # DeepSeek n_shared_experts
+    first_k_dense_replace: int
+    dense_intermediate: int
+
+
+def _sizes(family, num_layers, h, i, e_count, shared_intermediate, first_k_dense_replace,
+           dense_intermediate) -> _Sizes:
+    """The model sizes, with the defaults of the shared experts and DeepSeek's dense first layers resolved."""
     deepseek = family.startswith("deepseek")
-    h, i, e_count = hidden, intermediate, num_experts
     n_shared = 2 if family == "deepseek_v2" else 1
     if shared_intermediate is None:
         shared_intermediate = 2 * i if family == "qwen2_moe" else n_shared * i
@@ -264,141 +275,137 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     if first_k_dense_replace and not deepseek:
         raise ValueError(f"first_k_dense_replace: only the deepseek families have dense first layers, got "
                          f"{first_k_dense_replace} for {family}")
-    dense_intermediate = dense_intermediate or 2 * i
-    has_shared = family in ("qwen2_moe", "deepseek_v2", "deepseek_v3")
+    return _Sizes(num_layers, h, i, e_count, SCHEMES[family].shared_experts is not None, shared_intermediate,
+                  n_shared, first_k_dense_replace, dense_intermediate or 2 * i)
 
-    # ---- the module plan: (module name, K, N, role) with role "expert", "shared", "dense_mlp" or "dense"
-    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
-    modules, extras = [], []  # extras: (tensor name, kind, shape)
-    for layer in range(num_layers):
-        pre = f"model.layers.{layer}"
-        extras.append((f"{pre}.input_layernorm.weight", "norm", (h,)))
-        if layer < first_k_dense_replace:
-            for p, k, n in ((gate, h, dense_intermediate), (up, h, dense_intermediate), (down, dense_intermediate, h)):
-                modules.append((f"{pre}.mlp.{p}", k, n, "dense_mlp"))
+
+def _module_names(family: str, z: _Sizes) -> tuple[list, list]:
+    """The family's tensor names, in write order.
+
+    Returns (modules, extras): modules [(module name, K, N, role, layer)] with role "expert", "shared",
+    "dense_mlp" (DeepSeek's dense first layers) or "dense" (router, shared expert gate: never quantized);
+    extras [(tensor name, kind, shape)] for the other tensors (layer norms, DeepSeek-V3's score bias).
+    """
+    s = SCHEMES[family]
+    projs = (s.gate_proj, s.up_proj, s.down_proj)
+    modules, extras = [], []
+    for layer in range(z.num_layers):
+        block = s.block.format(layer=layer)
+        extras.append((f"{block}.input_layernorm.weight", "norm", (z.h,)))
+        if layer < z.first_k_dense_replace:
+            i_d = z.dense_intermediate
+            for p, k, n in zip(projs, (z.h, z.h, i_d), (i_d, i_d, z.h)):
+                modules.append((f"{block}.mlp.{p}", k, n, "dense_mlp", layer))
             continue
-        moe = f"{pre}.block_sparse_moe" if family == "mixtral" else f"{pre}.mlp"
-        for e in range(e_count):
-            for p, k, n in ((gate, h, i), (up, h, i), (down, i, h)):
-                modules.append((f"{moe}.experts.{e}.{p}", k, n, "expert"))
-        if has_shared:
-            sh = f"{pre}.mlp.shared_expert" if family == "qwen2_moe" else f"{pre}.mlp.shared_experts"
-            i_s = shared_intermediate
-            for p, k, n in ((gate, h, i_s), (up, h, i_s), (down, i_s, h)):
-                modules.append((f"{sh}.{p}", k, n, "shared"))
-        modules.append((f"{moe}.gate", h, e_count, "dense"))  # router, never quantized
-        if family == "qwen2_moe":
-            modules.append((f"{pre}.mlp.shared_expert_gate", h, 1, "dense"))
-        if family == "deepseek_v3":
-            extras.append((f"{pre}.mlp.gate.e_score_correction_bias", "score_bias", (e_count,)))
+        for e in range(z.e_count):
+            for p, k, n in zip(projs, (z.h, z.h, z.i), (z.i, z.i, z.h)):
+                modules.append((s.expert_module(layer, e, p), k, n, "expert", layer))
+        if z.has_shared:
+            i_s = z.shared_intermediate
+            for p, k, n in zip(projs, (z.h, z.h, i_s), (i_s, i_s, z.h)):
+                modules.append((s.shared_experts.format(layer=layer, proj=p), k, n, "shared", layer))
+        modules.append((s.router.format(layer=layer), z.h, z.e_count, "dense", layer))
+        if s.shared_expert_gate:
+            modules.append((s.shared_expert_gate.format(layer=layer), z.h, 1, "dense", layer))
+        if s.score_bias:
+            extras.append((s.score_bias.format(layer=layer), "score_bias", (z.e_count,)))
+    return modules, extras
 
-    def quant_of(name, role):
-        """(bits, group_size, sym, desc_act) or None for a dense module."""
-        if role == "dense" or (role == "shared" and not quantize_shared):
-            return None
-        rule = _match_dynamic(dynamic, name)
-        if rule == "skip":
-            return None
-        rule = rule or {}
-        return (int(rule.get("bits", bits)), int(rule.get("group_size", group_size)), bool(rule.get("sym", sym)),
-                bool(rule.get("desc_act", desc_act)))
 
-    # ---- tensor plan (names, dtypes, shapes in write order)
-    plan, specs = [], []
-    for name, k, n, role in modules:
-        spec = quant_of(name, role)
-        specs.append(spec)
-        with_bias = bias and role == "expert"
+def _quant_spec(opt: _Options, name: str, role: str):
+    """(bits, group_size, sym, desc_act) of module `name`, or None when it is stored dense."""
+    if role == "dense" or (role == "shared" and not opt.quantize_shared):
+        return None
+    rule = _match_dynamic(opt.dynamic, name)
+    if rule == "skip":
+        return None
+    rule = rule or {}
+    return (int(rule.get("bits", opt.bits)), int(rule.get("group_size", opt.group_size)),
+            bool(rule.get("sym", opt.sym)), bool(rule.get("desc_act", opt.desc_act)))
+
+
+def _tensor_plan(opt: _Options, modules: list, specs: list, extras: list) -> list:
+    """[(tensor name, dtype, shape)] of every tensor, in write order."""
+    plan = []
+    for (name, k, n, role, _), spec in zip(modules, specs):
+        with_bias = opt.bias and role == "expert"
         if spec is None:
-            plan.append((f"{name}.weight", dense_dtype, (n, k)))
+            plan.append((f"{name}.weight", opt.dense_dtype, (n, k)))
         else:
             b, g, _, _ = spec
-            r = 1 if g == -1 else -(-k // g)
-            if quant_method == "awq":
+            shapes = expert_shapes(k, n, b, g)
+            if opt.quant_method == "awq":  # packed along N instead
                 plan.append((f"{name}.qweight", "int32", (k, n * b // 32)))
             else:
-                plan.append((f"{name}.qweight", "int32", (k * b // 32, n)))
-            plan.append((f"{name}.qzeros", "int32", (r, n * b // 32)))
-            plan.append((f"{name}.scales", scales_dtype, (r, n)))
-            if quant_method == "gptq":
-                plan.append((f"{name}.g_idx", "int32", (k,)))
-            with_bias = with_bias or zero_bias
+                plan.append((f"{name}.qweight", "int32", shapes["qweight"]))
+            plan.append((f"{name}.qzeros", "int32", shapes["qzeros"]))
+            plan.append((f"{name}.scales", opt.scales_dtype, shapes["scales"]))
+            if opt.quant_method == "gptq":
+                plan.append((f"{name}.g_idx", "int32", shapes["g_idx"]))
+            with_bias = with_bias or opt.zero_bias
         if with_bias:
             plan.append((f"{name}.bias", "float16", (n,)))
     for tname, kind, shape in extras:
-        plan.append((tname, "float32" if kind == "score_bias" else dense_dtype, shape))
+        plan.append((tname, "float32" if kind == "score_bias" else opt.dense_dtype, shape))
+    return plan
 
-    # Every module draws from its own generator: results do not depend on which thread ran what.
-    seeds = np.random.SeedSequence(seed).spawn(len(modules) + 1)
-    rng = np.random.default_rng(seeds[-1])
-    g_idxs, act_orders = [], {}  # gate and up of one MLP share their inputs, hence their act-order g_idx
-    for (name, k, n, role), spec in zip(modules, specs):
+
+def _act_order_g_idxs(opt: _Options, modules: list, specs: list, rng, same_gate_up_g_idx: bool) -> list:
+    """The act-order g_idx of each module (None without desc_act). Gate and up of one MLP share their inputs,
+    hence their act-order g_idx (unless same_gate_up_g_idx is False)."""
+    s = SCHEMES[opt.family]
+    g_idxs, act_orders = [], {}
+    for (name, k, _, _, _), spec in zip(modules, specs):
         g_idx = None
-        if spec is not None and spec[3] and spec[1] != -1 and quant_method == "gptq":  # desc_act with groups
-            shared_key = name.rsplit(".", 1)[1] in (gate, up) and same_gate_up_g_idx
+        if spec is not None and spec[3] and spec[1] != -1 and opt.quant_method == "gptq":  # desc_act, groups
+            shared_key = name.rsplit(".", 1)[1] in (s.gate_proj, s.up_proj) and same_gate_up_g_idx
             key = (name.rsplit(".", 1)[0], k, spec[1]) if shared_key else name
             if key not in act_orders:
                 act_orders[key] = reference.act_order_g_idx(k, spec[1], rng)
             g_idx = act_orders[key]
         g_idxs.append(g_idx)
+    return g_idxs
+
+
+def _write_modules(opt: _Options, writer: "ShardWriter", modules: list, specs: list, g_idxs: list,
+                   seeds: list) -> dict:
+    """Draw, quantize and write every module on worker threads, in plan order; returns {name: float32 values}."""
 
     def make(j):
         """The tensors of module j in plan order, and its float values (runs on a worker thread)."""
-        name, k, n, role = modules[j]
+        name, k, n, role, _ = modules[j]
         spec, mrng = specs[j], np.random.default_rng(seeds[j])
-        w = mrng.standard_normal((k, n), dtype=np.float32) * np.float32(weight_std)  # [K, N]
+        w = mrng.standard_normal((k, n), dtype=np.float32) * np.float32(opt.weight_std)  # [K, N]
         values = {}
         if spec is None:
-            stored, dense_values = _store_float(w.T, dense_dtype)  # nn.Linear.weight [N, K]
+            stored, dense_values = _store_float(w.T, opt.dense_dtype)  # nn.Linear.weight [N, K]
             tensors = {f"{name}.weight": stored}
             values[name] = np.ascontiguousarray(dense_values.T)
         else:
-            tensors = _quantized_tensors(name, w, spec, fmt, quant_method, scales_dtype, g_idxs[j])
+            tensors = _quantized_tensors(name, w, spec, opt.fmt, opt.quant_method, opt.scales_dtype, g_idxs[j])
             values[name] = w
         if f"{name}.bias" in writer.where:
-            b = (mrng.standard_normal(n, dtype=np.float32) * np.float32(0.1) if (bias and role == "expert")
+            b = (mrng.standard_normal(n, dtype=np.float32) * np.float32(0.1) if (opt.bias and role == "expert")
                  else np.zeros(n, np.float32)).astype(np.float16)
             tensors[f"{name}.bias"] = b
             values[f"{name}.bias"] = b.astype(np.float32)
-        return tensors, values if return_weights else {}
+        return tensors, values if opt.return_weights else {}
 
-    writer = _ShardWriter(folder, plan, num_shards, file_name)
     out = {}
-    try:
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        workers = max(1, min(8, cpus))  # each in-flight module holds its float W
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            # At most `workers` modules in flight (memory), written strictly in plan order.
-            pending = deque(pool.submit(make, j) for j in range(min(workers, len(modules))))
-            upcoming = len(pending)
-            while pending:
-                tensors, values = pending.popleft().result()
-                if upcoming < len(modules):
-                    pending.append(pool.submit(make, upcoming))
-                    upcoming += 1
-                for tname, array in tensors.items():
-                    writer.write(tname, array)
-                out.update(values)
-        for tname, kind, shape in extras:
-            vals = (rng.standard_normal(shape, dtype=np.float32) * np.float32(0.1) if kind == "score_bias"
-                    else np.ones(shape, np.float32))
-            stored, values = _store_float(vals, "float32" if kind == "score_bias" else dense_dtype)
-            writer.write(tname, stored)
-            if return_weights:
-                out[tname] = values
-    finally:
-        writer.close(index=num_shards > 1)
-
-    _write_configs(folder, family=family, num_layers=num_layers, h=h, i=i, e_count=e_count, top_k=top_k,
-                   shared_intermediate=shared_intermediate if has_shared else None, n_shared=n_shared,
-                   first_k_dense_replace=first_k_dense_replace, dense_intermediate=dense_intermediate,
-                   bits=bits, group_size=group_size, sym=sym, desc_act=desc_act, fmt=fmt, quant_method=quant_method,
-                   dynamic=dynamic, dense_dtype=dense_dtype,
-                   in_block=[[m[len(f"model.layers.{int(m.split('.')[2])}."):]
-                              for (m, _, _, _), spec in zip(modules, specs) if spec is not None]]
-                   if modules_in_block_to_quantize else None,
-                   quant_config_files=quant_config_files, extra_config=extra_config,
-                   extra_quant_config=extra_quant_config)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    workers = max(1, min(8, cpus))  # each in-flight module holds its float W
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        # At most `workers` modules in flight (memory), written strictly in plan order.
+        pending = deque(pool.submit(make, j) for j in range(min(workers, len(modules))))
+        upcoming = len(pending)
+        while pending:
+            tensors, values = pending.popleft().result()
+            if upcoming < len(modules):
+                pending.append(pool.submit(make, upcoming))
+                upcoming += 1
+            for tname, array in tensors.items():
+                writer.write(tname, array)
+            out.update(values)
     return out
 
 
@@ -409,8 +416,8 @@ def _quantized_tensors(name: str, w: np.ndarray, spec: tuple, fmt: str, quant_me
     q = _quantize(w, bits, group_size, sym, g_idx)
     scales, _ = _store_float(q.scales.astype(np.float32), scales_dtype)
     if quant_method == "awq":
-        codes = reference.unpack_rows(q.qweight, 4)  # [K, N]
-        zeros = reference.unpack_cols(_zeros_to_format(q, 4, "gptq_v2"), 4)  # real zeros [R, N]
+        codes = _packing.unpack(q.qweight, 4, axis=0)  # [K, N]
+        zeros = _packing.unpack(_zeros_to_format(q, 4, "gptq_v2"), 4)  # real zeros [R, N]
         return {f"{name}.qweight": _awq_pack(codes), f"{name}.qzeros": _awq_pack(zeros), f"{name}.scales": scales}
     return {f"{name}.qweight": q.qweight, f"{name}.qzeros": _zeros_to_format(q, bits, fmt),
             f"{name}.scales": scales, f"{name}.g_idx": q.g_idx.astype(np.int32)}
@@ -470,69 +477,6 @@ def _write_configs(folder: Path, *, family, num_layers, h, i, e_count, top_k, sh
                           extra_quant_config)
         with open(folder / "quant_config.json", "w") as fh:
             json.dump(qcfg, fh, indent=2)
-
-
-# --------------------------------------------------------------------------- editing (for bad-input tests)
-
-
-def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | None = None,
-                    rename: Callable[[str], str] | None = None):
-    """Rewrite the safetensors files of a checkpoint folder with some tensors replaced, removed or renamed.
-
-    replace: {tensor name: NumPy array} (int32/int64/float16/float32; new names go to the file of the
-    first tensor). remove: tensor names to drop. rename: maps every remaining tensor name to its new name
-    (applied last). The index (if any) is rewritten to match.
-    Used by tests to build broken checkpoints (a wrong shape, a missing tensor, experts that differ).
-    """
-    from .checkpoint import _SafetensorsFile  # the header parser; the writer below is this module's own
-
-    folder = Path(path)
-    replace, remove = dict(replace or {}), set(remove or ())
-    index_path = folder / "model.safetensors.index.json"
-    files = sorted(folder.glob("*.safetensors"))
-    weight_map = {}
-    new_names = [n for n in replace]
-    for fpath in files:
-        f = _SafetensorsFile(fpath)
-        try:
-            tensors = {}
-            for name, info in f.tensors.items():
-                if name in remove:
-                    continue
-                if name in replace:
-                    arr = np.ascontiguousarray(replace[name])
-                    dtype = _ST_NAME[arr.dtype.name]
-                    data = arr.tobytes()
-                    shape = arr.shape
-                    new_names.remove(name)
-                else:
-                    dtype, shape = info.dtype, info.shape
-                    data = os.pread(f._fd, info.nbytes, info.start)
-                tensors[name] = (dtype, shape, data)
-        finally:
-            f.close()
-        if fpath == files[0]:
-            for name in list(new_names):
-                arr = np.ascontiguousarray(replace[name])
-                tensors[name] = (_ST_NAME[arr.dtype.name], arr.shape, arr.tobytes())
-                new_names.remove(name)
-        header, offset, blobs = {"__metadata__": {"format": "pt"}}, 0, []
-        for name, (dtype, shape, data) in tensors.items():
-            name = rename(name) if rename else name
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
-            offset += len(data)
-            blobs.append(data)
-            weight_map[name] = fpath.name
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        with open(fpath, "wb") as fh:
-            fh.write(struct.pack("<Q", len(raw)) + raw)
-            for data in blobs:
-                fh.write(data)
-    if index_path.exists():
-        with open(index_path, "w") as fh:
-            json.dump({"metadata": {"total_size": sum(p.stat().st_size for p in files)}, "weight_map": weight_map},
-                      fh, indent=2)
 
 
 def dense_layer_output(layer, x) -> np.ndarray:

@@ -2,32 +2,29 @@
 
 Shape letters: E experts, K in-features, N out-features, G group size, R = ceil(K/G) groups.
 
-    qweight [E, K*bits/32, N]      int32   codes packed along K (GPTQ_FORMAT.md §2)
+    qweight [E, K*bits/32, N]      int32   codes packed along K (docs/gptq_layout.md)
     scales  [E, R, N]              float16
     qzeros  [E, R, N*bits/32]      int32   REAL zero points packed along N (gptq_v2 semantics), or None = symmetric
     g_idx   [E, K]                 int32   group of each input row (act-order), or None = k // G
 
-All arrays live on the host (NumPy) or all on the device (CuPy). This module shares no code with
-cupy_moe.reference: the v1 -> real zero conversion below is written here again on purpose.
+These shape rules are written once, in `stacked_shapes`; the checkpoint loader checks files against it.
+All arrays live on the host (NumPy) or all on the device (CuPy).
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
-from . import _xp
+from . import _packing, _xp
 
-__all__ = ["StackedGptqWeight", "concat_n"]
+__all__ = ["StackedGptqWeight", "concat_n", "stacked_shapes", "expert_shapes", "num_groups",
+           "group_len"]
 
 _BITS = (2, 3, 4, 8)
 _FORMATS = ("gptq", "gptq_v2")
-# Adding 1 to every field of a v1 qzeros word at once (GPTQModel's v1 -> v2 load conversion). For 2/4/8 bits
-# this is the exact inverse of GPTQModel's word-level v2 -> v1 export, borrows included.
-_V1_WORD_ADD = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
 
 
 def _array_kind(x) -> str | None:
@@ -38,35 +35,34 @@ def _array_kind(x) -> str | None:
     return None
 
 
-def _values_per_unit(bits: int) -> int:
-    """Values packed per whole number of int32 words: 32/bits (2/4/8 bits), 32 (3 bits: 3 words)."""
-    return 32 // math.gcd(32, bits)
-
-
 def _is_float_dtype(dtype) -> bool:
     return np.dtype(dtype).kind == "f" or np.dtype(dtype).name == "bfloat16"
 
 
-def _v1_to_real_zeros(qzeros: np.ndarray, bits: int) -> np.ndarray:
-    """v1 qzeros int32 [..., N*bits/32] (stored zero - 1) -> real zeros, same packing."""
-    if bits in _V1_WORD_ADD:
-        words = qzeros.view(np.uint32).astype(np.uint64) + _V1_WORD_ADD[bits]
-        return (words & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
-    # 3 bits: 32 fields in 3 words as a 96-bit little-endian stream (field i at stream bits [3i, 3i+3));
-    # fields 10 and 21 straddle words, so go field by field: unpack, (z + 1) & 7, repack.
-    shape = qzeros.shape
-    words = qzeros.view(np.uint32).astype(np.uint64).reshape(-1, 3)  # [units, 3]
-    new = np.zeros_like(words)
-    for i in range(32):
-        word, shift = divmod(3 * i, 32)
-        field = words[:, word] >> np.uint64(shift)
-        if shift + 3 > 32:
-            field |= words[:, word + 1] << np.uint64(32 - shift)
-        field = (field + np.uint64(1)) & np.uint64(7)
-        new[:, word] |= (field << np.uint64(shift)) & np.uint64(0xFFFFFFFF)
-        if shift + 3 > 32:
-            new[:, word + 1] |= field >> np.uint64(32 - shift)
-    return new.astype(np.uint32).reshape(shape).view(np.int32)
+def group_len(k: int, group_size: int) -> int:
+    """G as a length: group_size, or K when group_size == -1 (one group over all of K)."""
+    return k if group_size == -1 else group_size
+
+
+def num_groups(k: int, group_size: int) -> int:
+    """R = ceil(K / G) scale groups."""
+    return -(-k // group_len(k, group_size))
+
+
+def stacked_shapes(num_experts: int, k: int, n: int, bits: int, group_size: int) -> dict[str, tuple]:
+    """The shape of each array of a StackedGptqWeight with E = num_experts, K, N, bits and group_size:
+
+    qweight (E, K*bits/32, N), scales (E, R, N), qzeros (E, R, N*bits/32), g_idx (E, K), R = ceil(K/G).
+    One expert of a GPTQ checkpoint stores the same shapes without the leading E (expert_shapes).
+    """
+    r = num_groups(k, group_size)
+    return {"qweight": (num_experts, k * bits // 32, n), "scales": (num_experts, r, n),
+            "qzeros": (num_experts, r, n * bits // 32), "g_idx": (num_experts, k)}
+
+
+def expert_shapes(k: int, n: int, bits: int, group_size: int) -> dict[str, tuple]:
+    """The shapes one expert's tensors have in a GPTQ checkpoint: stacked_shapes without the leading E."""
+    return {name: shape[1:] for name, shape in stacked_shapes(1, k, n, bits, group_size).items()}
 
 
 @dataclass(eq=False, repr=False)
@@ -132,29 +128,31 @@ class StackedGptqWeight:
                 raise ValueError(f"{name}: expected a C-contiguous array, got strides {x.strides}")
 
         e, rows, n = self.qweight.shape
-        words_per_unit = self.bits // math.gcd(32, self.bits)  # 3 for 3 bits, else 1
+        words_per_unit = _packing.unit(self.bits)[1]  # 3 for 3 bits, else 1
         if e < 1 or rows < 1 or n < 1:
             raise ValueError(f"qweight: expected E, K*bits/32 and N all >= 1, got shape {self.qweight.shape}")
         if rows % words_per_unit:
             raise ValueError(f"qweight: expected K*bits/32 (axis 1) a multiple of {words_per_unit} for "
                              f"{self.bits}-bit (K a multiple of 32), got shape {self.qweight.shape}")
-        k, r = self.k, self.num_groups
-        want = (e, r, n)
+        k = self.k
+        shapes = stacked_shapes(e, k, n, self.bits, self.group_size)
+        want = shapes["scales"]
         if tuple(self.scales.shape) != want:
             raise ValueError(f"scales: expected shape {want} = [E, ceil(K/G), N] for K={k}, "
                              f"group_size={self.group_size}, got {tuple(self.scales.shape)}")
         if self.qzeros is not None:
-            unit = _values_per_unit(self.bits)
+            unit = _packing.unit(self.bits)[0]
             if n % unit:
                 raise ValueError(f"qzeros: N = {n} must be a multiple of {unit} to pack {self.bits}-bit zeros, "
                                  f"got N = {n}")
-            want = (e, r, n * self.bits // 32)
+            want = shapes["qzeros"]
             if tuple(self.qzeros.shape) != want:
                 raise ValueError(f"qzeros: expected shape {want} = [E, ceil(K/G), N*bits/32], "
                                  f"got {tuple(self.qzeros.shape)}")
         if self.g_idx is not None:
-            if tuple(self.g_idx.shape) != (e, k):
-                raise ValueError(f"g_idx: expected shape {(e, k)} = [E, K], got {tuple(self.g_idx.shape)}")
+            if tuple(self.g_idx.shape) != shapes["g_idx"]:
+                raise ValueError(f"g_idx: expected shape {shapes['g_idx']} = [E, K], got {tuple(self.g_idx.shape)}")
+            r = shapes["scales"][1]
             lo, hi = int(self.g_idx.min()), int(self.g_idx.max())  # kernels index scales with it: check range
             if lo < 0 or hi >= r:
                 raise ValueError(f"g_idx: expected values in [0, {r - 1}] (ceil(K/G) = {r} groups), "
@@ -179,12 +177,12 @@ class StackedGptqWeight:
     @property
     def group_len(self) -> int:
         """G as a length: group_size, or K when group_size == -1."""
-        return self.k if self.group_size == -1 else self.group_size
+        return group_len(self.k, self.group_size)
 
     @property
     def num_groups(self) -> int:
         """ceil(K / G)."""
-        return -(-self.k // self.group_len)
+        return num_groups(self.k, self.group_size)
 
     @property
     def nbytes(self) -> int:
@@ -276,7 +274,7 @@ class StackedGptqWeight:
         gi = None if g_idx is None else stack("g_idx", g_idx, integer).astype(np.int32)
         out = cls(qw, sc, qz, gi, bits, group_size)  # validates shapes on the host, before any copy
         if qz is not None and checkpoint_format == "gptq":
-            out = dataclasses.replace(out, qzeros=_v1_to_real_zeros(qz, bits))
+            out = dataclasses.replace(out, qzeros=_packing.v1_to_real(qz, bits))
         return out.to_device() if device else out
 
     @classmethod

@@ -6,7 +6,6 @@ H=64, I=128, E=4, G=32 unless a quirk needs others (partial last group, 3-bit mu
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +14,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
 
+from cupy_moe import _peak_rss
 from cupy_moe import reference as R
 from cupy_moe import checkpoint as C
-from cupy_moe.checkpoint import (NamingScheme, inspect_checkpoint, load_moe_layer, load_moe_model,
+from cupy_moe.checkpoint.loading import _real_zeros
+from cupy_moe.checkpoint.quant_config import Quant, parse_quant_config
+from cupy_moe.checkpoint.safetensors import SafetensorsFile
+from cupy_moe.checkpoint import (NamingScheme, inspect_checkpoint, load_layer_weights, load_model_weights,
                                  load_stacked)
 from cupy_moe.testing import FAMILIES, edit_checkpoint, write_checkpoint
 from cupy_moe.weights import StackedGptqWeight
@@ -114,7 +117,7 @@ def ckpt(tmp_path):
 def test_family_roundtrip(ckpt, family):
     deepseek = family.startswith("deepseek")
     folder, w = ckpt(family=family, num_layers=2, num_experts=4, top_k=2)
-    layer = load_moe_layer(folder, 1, device=False)
+    layer = load_layer_weights(folder, 1, device=False)
     assert (layer.family, layer.layer, layer.hidden_size, layer.intermediate_size, layer.num_experts) == \
         (family, 1, 64, 128, 4)
     assert isinstance(layer.w13, StackedGptqWeight) and (layer.w13.k, layer.w13.n) == (64, 256)
@@ -151,13 +154,13 @@ def test_family_roundtrip(ckpt, family):
     else:
         assert layer.e_score_correction_bias is None
     if not deepseek:  # layer 0 is an MoE layer too
-        check_layer(load_moe_layer(folder, 0, device=False), w, family)
+        check_layer(load_layer_weights(folder, 0, device=False), w, family)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
 def test_load_stacked_and_from_safetensors(ckpt, family):
     folder, w = ckpt(family=family, desc_act=True)
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     for proj, attr in (("w13", "w13"), ("w2", "w2")):
         a = load_stacked(folder, 0, proj, device=False)
         b = StackedGptqWeight.from_safetensors(folder, 0, proj, device=False)
@@ -194,7 +197,7 @@ QUIRKS = [  # bits, sym, checkpoint_format, desc_act, group_size, hidden, interm
 def test_quantization_quirks(ckpt, bits, sym, fmt, desc_act, group_size, hidden, intermediate):
     folder, w = ckpt(family="mixtral", bits=bits, sym=sym, checkpoint_format=fmt, desc_act=desc_act,
                      group_size=group_size, hidden=hidden, intermediate=intermediate, num_shards=2)
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     assert layer.w13.bits == bits and layer.w13.group_size == group_size
     assert (layer.w13.qzeros is None) == sym  # sym drops the zeros; asym keeps real ones
     assert (layer.w13.g_idx is not None) == (desc_act and group_size != -1)
@@ -212,7 +215,7 @@ def test_bf16_and_fp32_scales_and_dense(ckpt, scales_dtype, eps):
     with safe_open(str(folder / "model.safetensors"), "numpy") as f:  # the file really holds BF16/F32
         want = {"bfloat16": "BF16", "float32": "F32"}[scales_dtype]
         assert f.get_slice("model.layers.0.mlp.experts.0.gate_proj.scales").get_dtype() == want
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     assert layer.w13.scales.dtype == np.float16
     check_layer(layer, w, "qwen2_moe", scale_eps=eps)
     # dense tensors: bf16 widened exactly to float32, float32 kept
@@ -227,13 +230,13 @@ def test_zero_bias_ignored_and_nonzero_bias_kept(ckpt):
     folder, w = ckpt(family="mixtral", zero_bias=True)
     with safe_open(str(folder / "model.safetensors"), "numpy") as f:
         assert "model.layers.0.block_sparse_moe.experts.0.w1.bias" in f.keys()
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     assert layer.w13_bias is None and layer.w2_bias is None
     check_layer(layer, w, "mixtral")
     assert load_stacked(folder, 0, "w13", device=False).n == 256
 
     folder, w = ckpt(family="mixtral", bias=True)
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     g, u, d = expert_modules("mixtral", 0, 2)
     np.testing.assert_array_equal(layer.w13_bias[2], np.concatenate([w[g + ".bias"], w[u + ".bias"]]))
     np.testing.assert_array_equal(layer.w2_bias[2], w[d + ".bias"])
@@ -248,7 +251,7 @@ def test_shards_split_modules_and_match_single_file(ckpt):
     wmap = json.loads((three / "model.safetensors.index.json").read_text())["weight_map"]
     mod = "model.layers.0.mlp.experts.1.up_proj"
     assert len({wmap[mod + s] for s in (".qweight", ".qzeros", ".scales", ".g_idx")}) == 3  # one module, 3 files
-    a, b = load_moe_layer(one, 0, device=False), load_moe_layer(three, 0, device=False)
+    a, b = load_layer_weights(one, 0, device=False), load_layer_weights(three, 0, device=False)
     for proj in ("w13", "w2"):
         for field in ("qweight", "scales", "qzeros", "g_idx"):
             np.testing.assert_array_equal(getattr(getattr(a, proj), field), getattr(getattr(b, proj), field))
@@ -257,14 +260,14 @@ def test_shards_split_modules_and_match_single_file(ckpt):
 def test_single_file_autogptq_name(ckpt):
     folder, w = ckpt(family="mixtral", file_name="gptq_model-4bit-32g.safetensors")
     assert not (folder / "model.safetensors").exists()
-    check_layer(load_moe_layer(folder, 0, device=False), w, "mixtral")
+    check_layer(load_layer_weights(folder, 0, device=False), w, "mixtral")
 
 
 @pytest.mark.parametrize("where", ["quantize_config", "quant_config", "config"])
 def test_quant_config_locations(ckpt, where):
     folder, w = ckpt(family="mixtral", bits=8, quant_config_files=where)
     assert (folder / "quantize_config.json").exists() == (where == "quantize_config")
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     assert layer.w13.bits == 8
     check_layer(layer, w, "mixtral")
 
@@ -274,7 +277,7 @@ def test_quantize_config_json_wins_over_config_json(ckpt):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["quantization_config"]["bits"] = 8  # contradicts the tensors, but quantize_config.json is read first
     (folder / "config.json").write_text(json.dumps(cfg))
-    check_layer(load_moe_layer(folder, 0, device=False), w, "mixtral")
+    check_layer(load_layer_weights(folder, 0, device=False), w, "mixtral")
     assert inspect_checkpoint(folder)["quantization"]["source"] == "quantize_config.json"
 
 
@@ -282,13 +285,13 @@ def test_quantize_config_json_wins_over_config_json(ckpt):
                                         ({"checkpoint_format": None}, "gptq")])
 def test_format_key_and_default_v1(ckpt, extra, fmt):
     folder, w = ckpt(family="mixtral", sym=False, checkpoint_format=fmt, extra_quant_config=extra)
-    check_layer(load_moe_layer(folder, 0, device=False), w, "mixtral")
+    check_layer(load_layer_weights(folder, 0, device=False), w, "mixtral")
     assert inspect_checkpoint(folder)["quantization"]["checkpoint_format"] == fmt
 
 
 def test_dynamic_override_bits_per_layer(ckpt):
     folder, w = ckpt(family="qwen3_moe", num_layers=2, dynamic={r"+:model\.layers\.1\..*": {"bits": 8}})
-    l0, l1 = load_moe_layer(folder, 0, device=False), load_moe_layer(folder, 1, device=False)
+    l0, l1 = load_layer_weights(folder, 0, device=False), load_layer_weights(folder, 1, device=False)
     assert (l0.w13.bits, l1.w13.bits, l1.w2.bits) == (4, 8, 8)
     check_layer(l0, w, "qwen3_moe")
     check_layer(l1, w, "qwen3_moe")
@@ -297,7 +300,7 @@ def test_dynamic_override_bits_per_layer(ckpt):
 def test_dynamic_exclusions(ckpt):
     # Shared experts excluded: dense arrays [1, K, N]; routed experts stay GPTQ.
     folder, w = ckpt(family="deepseek_v2", num_layers=2, dynamic={r"-:.*shared_experts.*": {}})
-    layer = load_moe_layer(folder, 1, device=False)
+    layer = load_layer_weights(folder, 1, device=False)
     assert isinstance(layer.w13, StackedGptqWeight)
     sh = "model.layers.1.mlp.shared_experts"
     np.testing.assert_array_equal(layer.shared.down[0], w[sh + ".down_proj"])
@@ -305,12 +308,12 @@ def test_dynamic_exclusions(ckpt):
 
     # Every expert of layer 1 excluded: dense stacked arrays; load_stacked refuses.
     folder, w = ckpt(family="mixtral", num_layers=2, dynamic={r"-:model\.layers\.1\.block_sparse_moe\.experts": {}})
-    layer = load_moe_layer(folder, 1, device=False)
+    layer = load_layer_weights(folder, 1, device=False)
     assert layer.w13.shape == (4, 64, 256) and layer.w13.dtype == np.float16
     g, u, d = expert_modules("mixtral", 1, 3)
     np.testing.assert_array_equal(layer.w13[3], np.concatenate([w[g], w[u]], 1))
     np.testing.assert_array_equal(layer.w2[3], w[d])
-    assert isinstance(load_moe_layer(folder, 0, device=False).w13, StackedGptqWeight)
+    assert isinstance(load_layer_weights(folder, 0, device=False).w13, StackedGptqWeight)
     with pytest.raises(ValueError, match=r"layer 1 w2: every expert is dense"):
         load_stacked(folder, 1, "w2", device=False)
 
@@ -320,12 +323,12 @@ def test_dynamic_exclusions(ckpt):
                                          r"\.2\.w3' is dense \(dynamic rule '-:\.\*experts\\\.2\\\.w3' in "
                                          r"quantize_config\.json\), but the other experts of layer 0 w13 are "
                                          r"quantized .* cannot mix dense and GPTQ experts"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_dynamic_rule_semantics():
     """GPTQModel: re.match (anchored at the start), first match wins, '-:' excludes, '+:' and plain override."""
-    qc = C._parse_quant_config({"bits": 4, "group_size": 128, "dynamic": {
+    qc = parse_quant_config({"bits": 4, "group_size": 128, "dynamic": {
         r"-:model\.layers\.0\.mlp\.experts\.1\.": {}, r"+:model\.layers\.0\.": {"bits": 8, "group_size": 32},
         r"model\.layers\.1\.": {"sym": False}, r"layers\.2\.": {"bits": 2}}}, "test")
     block = "model.layers.{}"
@@ -343,18 +346,18 @@ def test_modules_in_block_to_quantize(ckpt):
     cfg = json.loads((folder / "quantize_config.json").read_text())
     listed = cfg["modules_in_block_to_quantize"][0]
     assert "mlp.experts.0.gate_proj" in listed and "mlp.gate" not in listed
-    check_layer(load_moe_layer(folder, 0, device=False), w, "qwen2_moe")
+    check_layer(load_layer_weights(folder, 0, device=False), w, "qwen2_moe")
     # A list that leaves out a module which is quantized in the file contradicts the tensors.
     listed.remove("mlp.experts.1.down_proj")
     (folder / "quantize_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.experts\.1\.down_proj\.qweight' exists, "
                                          r"but modules_in_block_to_quantize .*the config contradicts the tensors"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_dense_shared_expert_decided_by_tensors(ckpt):
     folder, w = ckpt(family="qwen2_moe", quantize_shared=False)  # the config says nothing about it
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     assert layer.shared.gate_up.dtype == np.float16 and layer.shared.gate_up.shape == (1, 64, 512)
     np.testing.assert_array_equal(layer.shared.down[0], w["model.layers.0.mlp.shared_expert.down_proj"])
 
@@ -364,15 +367,16 @@ def test_awq_gemm_repacked(ckpt, where):
     folder, w = ckpt(family="mixtral", quant_method="awq", sym=False, quant_config_files=where)
     with safe_open(str(folder / "model.safetensors"), "numpy") as f:
         assert f.get_slice("model.layers.0.block_sparse_moe.experts.0.w1.qweight").get_shape() == [64, 16]  # [K, N/8]
-    layer = load_moe_layer(folder, 0, device=False)
+    layer = load_layer_weights(folder, 0, device=False)
     assert layer.w13.qweight.shape == (4, 8, 256) and layer.w13.qzeros is not None and layer.w13.g_idx is None
     check_layer(layer, w, "mixtral")
 
 
 def test_awq_worked_example():
-    """GPTQ_FORMAT.md §6: AWQ columns 0..7 = [10,11,12,13,14,15,1,2] pack to 0x2FDB1ECA."""
+    """The AWQ nibble order 0, 2, 4, 6, 1, 3, 5, 7 (docs/gptq_layout.md): columns 0..7 =
+    [10, 11, 12, 13, 14, 15, 1, 2] pack to 0x2FDB1ECA."""
     word = np.array([[np.uint32(0x2FDB1ECA).view(np.int32)]])
-    zeros = C._real_zeros(word, C._Quant(4, 128, False, False, "awq"))
+    zeros = _real_zeros(word, Quant(4, 128, False, False, "awq"))
     assert zeros.tolist() == [[10, 11, 12, 13, 14, 15, 1, 2]]
 
 
@@ -386,19 +390,9 @@ def test_v1_zeros_decode_inverts_gptqmodel_export(bits, rows, units, rnd):
     real[0, 0] = 0  # the value AutoGPTQ's v1 cannot hold
     q = R.QuantizedLinear(None, R.pack_cols(real, bits), None, None, "gptq_v2")
     v1 = _zeros_to_format(q, bits, "gptq")
-    got = C._real_zeros(v1, C._Quant(bits, 32, False, False, "gptq"))
+    got = _real_zeros(v1, Quant(bits, 32, False, False, "gptq"))
     np.testing.assert_array_equal(got, real)
-    np.testing.assert_array_equal(C._real_zeros(q.qzeros, C._Quant(bits, 32, False, False, "gptq_v2")), real)
-
-
-@given(st.sampled_from([2, 3, 4, 8]), st.integers(1, 4), st.integers(1, 3))
-def test_pack_helpers_match_reference(bits, rows, units):
-    per = 32 // np.gcd(32, bits)
-    rng = np.random.default_rng(bits * 100 + rows * 10 + units)
-    v = rng.integers(0, 1 << bits, size=(rows, units * per))
-    packed = C._pack_last(v, bits)
-    np.testing.assert_array_equal(packed, R.pack_cols(v, bits))
-    np.testing.assert_array_equal(C._unpack_last(packed, bits), v)
+    np.testing.assert_array_equal(_real_zeros(q.qzeros, Quant(bits, 32, False, False, "gptq_v2")), real)
 
 
 # --------------------------------------------------------------------------- refused settings
@@ -420,7 +414,7 @@ def test_pack_helpers_match_reference(bits, rows, units):
 def test_refused_settings(ckpt, extra, match):
     folder, _ = ckpt(family="mixtral", extra_quant_config=extra, quant_config_files="quantize_config")
     with pytest.raises(ValueError, match=r"quantize_config\.json: " + match):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     with pytest.raises(ValueError, match=match):
         inspect_checkpoint(folder)
 
@@ -428,17 +422,17 @@ def test_refused_settings(ckpt, extra, match):
 def test_refused_awq_variants(ckpt):
     folder, _ = ckpt(family="mixtral", quant_method="awq", extra_quant_config={"version": "gemv"})
     with pytest.raises(ValueError, match=r"AWQ version='gemv' is not supported: only AWQ GEMM"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     folder, _ = ckpt(family="mixtral", quant_method="awq", extra_quant_config={"zero_point": False})
     with pytest.raises(ValueError, match=r"AWQ zero_point=false is not supported"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 @pytest.mark.parametrize("bits", [2, 3])
 def test_device_refuses_2_and_3_bits_before_reading(ckpt, bits):
     folder, _ = ckpt(family="mixtral", bits=bits)
     with pytest.raises(ValueError, match=rf"device: layer 0 w13 has bits={bits}, which loads on the host only"):
-        load_moe_layer(folder, 0, device=True)
+        load_layer_weights(folder, 0, device=True)
     with pytest.raises(ValueError, match=rf"bits={bits}, which loads on the host only"):
         load_stacked(folder, 0, "w2", device=True)
 
@@ -449,17 +443,17 @@ def test_device_refuses_2_and_3_bits_before_reading(ckpt, bits):
 def test_dense_and_missing_layers(ckpt):
     folder, _ = ckpt(family="deepseek_v2", num_layers=3)
     with pytest.raises(ValueError, match=r"layer 0 is dense \(first_k_dense_replace=1\)"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     with pytest.raises(ValueError, match=r"layer 3 does not exist: config\.json has num_hidden_layers=3 "
                                          r"\(layers 0\.\.2\)"):
-        load_moe_layer(folder, 3, device=False)
+        load_layer_weights(folder, 3, device=False)
     with pytest.raises(ValueError, match=r"layer -1 does not exist"):
         load_stacked(folder, -1, "w13", device=False)
     with pytest.raises(TypeError, match=r"layer: expected an int, got str"):
-        load_moe_layer(folder, "1", device=False)
+        load_layer_weights(folder, "1", device=False)
     folder, _ = ckpt(family="qwen3_moe", num_layers=2, extra_config={"mlp_only_layers": [1]})
     with pytest.raises(ValueError, match=r"layer 1 is dense \(mlp_only_layers=\[1\]\)"):
-        load_moe_layer(folder, 1, device=False)
+        load_layer_weights(folder, 1, device=False)
 
 
 # --------------------------------------------------------------------------- bad input: one clear error each
@@ -476,7 +470,7 @@ def test_missing_tensor(ckpt):
                                          r"missing: expected F16 \[4, 64\] \(\[ceil\(K/G\), N\], bits=4, "
                                          r"group_size=32, K=128, N=64 from config\.json .*\); it is in none of "
                                          r"model\.safetensors\.index\.json"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     edit_checkpoint(folder, remove=[f"model.layers.0.block_sparse_moe.experts.1.w1.{s}"
                                     for s in ("qweight", "qzeros", "scales", "g_idx")])
     with pytest.raises(ValueError, match=r"module 'model\.layers\.0\.block_sparse_moe\.experts\.1\.w1': neither "
@@ -492,18 +486,18 @@ def test_wrong_shape_and_dtype(ckpt):
                                          r"\.1\.w3\.qweight': expected shape \[8, 128\] \(\[K\*bits/32, N\], bits=4, "
                                          r"group_size=32, K=64, N=128 from config\.json hidden_size=64, "
                                          r"intermediate_size=128\), got \[8, 96\]"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     folder, _ = _mixtral(ckpt)
     name = "model.layers.0.block_sparse_moe.experts.3.w2.scales"
     edit_checkpoint(folder, replace={name: np.zeros((4, 64), np.int32)})
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.3\.w2\.scales': "
                                          r"expected dtype F16 or BF16 or F32 .*, got I32"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     folder, _ = _mixtral(ckpt)
     edit_checkpoint(folder, replace={"model.layers.0.block_sparse_moe.gate.weight": np.zeros((3, 64), np.float16)})
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.gate\.weight': expected "
                                          r"shape \[4, 64\] \(router \[E, H\], E=4, H=64\), got \[3, 64\]"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_experts_of_different_shapes(ckpt):
@@ -513,7 +507,7 @@ def test_experts_of_different_shapes(ckpt):
     repl = {mod + s: file_tensor(other, mod + s) for s in (".qweight", ".qzeros", ".scales", ".g_idx")}
     edit_checkpoint(folder, replace=repl)
     with pytest.raises(ValueError, match=r"experts\.2\.w1\.qweight': expected shape \[8, 128\] .*, got \[8, 96\]"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     # Without sizes in config.json the experts are checked against expert 0.
     cfg = json.loads((folder / "config.json").read_text())
     for key in ("hidden_size", "intermediate_size"):
@@ -533,7 +527,7 @@ def test_truncated_and_corrupt_files(ckpt):
         fh.truncate(size - 100)
     with pytest.raises(ValueError, match=rf"model-00002-of-00002\.safetensors: truncated safetensors file: tensor "
                                          rf"'.*' ends at byte {size}, but the file has only {size - 100} bytes"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
     folder, _ = _mixtral(ckpt)
     path = folder / "model.safetensors"
@@ -541,15 +535,15 @@ def test_truncated_and_corrupt_files(ckpt):
     raw[9:14] = b"#####"  # inside the JSON header
     path.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"model\.safetensors: corrupt safetensors header \(not valid JSON"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
     path.write_bytes(b"\x00\x01")
     with pytest.raises(ValueError, match=r"model\.safetensors: not a safetensors file: 2 bytes"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     path.write_bytes((10 ** 12).to_bytes(8, "little") + b"{}")
     with pytest.raises(ValueError, match=r"corrupt or truncated safetensors file: the header claims 1000000000000 "
                                          r"bytes but the file has 10 bytes"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_missing_files(ckpt, tmp_path):
@@ -557,23 +551,30 @@ def test_missing_files(ckpt, tmp_path):
     (folder / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"model-00001-of-00002\.safetensors: safetensors shard not found "
                                                 r"\(it holds tensor '.*' per model\.safetensors\.index\.json\)"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     with pytest.raises(FileNotFoundError, match=r"checkpoint folder not found"):
-        load_moe_layer(tmp_path / "nope", 0, device=False)
+        load_layer_weights(tmp_path / "nope", 0, device=False)
     folder, _ = _mixtral(ckpt)
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no safetensors weights"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     folder, _ = _mixtral(ckpt)
     (folder / "config.json").unlink()
     assert load_stacked(folder, 0, "w2", device=False).n == 64  # sizes from the tensors
     with pytest.raises(FileNotFoundError, match=r"config\.json: not found; load_moe_layer reads the routing "
                                                 r"settings \(num_experts_per_tok, norm_topk_prob\)"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     (folder / "quantize_config.json").unlink()
     with pytest.raises(ValueError, match=r"no quantization config \(looked for quantize_config\.json, "
                                          r"quant_config\.json and config\.json\['quantization_config'\]\)"):
         load_stacked(folder, 0, "w2", device=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_detected_from_tensor_names_alone(ckpt, family):
+    folder, _ = ckpt(family=family, num_layers=2)
+    (folder / "config.json").unlink()
+    assert inspect_checkpoint(folder)["family"] == family
 
 
 def test_index_pointing_at_wrong_file(ckpt):
@@ -586,7 +587,7 @@ def test_index_pointing_at_wrong_file(ckpt):
     index.write_text(json.dumps(data))
     with pytest.raises(ValueError, match=rf"model\.safetensors\.index\.json maps tensor '{name}' to this file, "
                                          rf"but its header has no such tensor"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 @pytest.mark.parametrize("extra, match", [
@@ -599,7 +600,7 @@ def test_index_pointing_at_wrong_file(ckpt):
 def test_config_contradicting_tensors(ckpt, extra, match):
     folder, _ = _mixtral(ckpt, extra_config=extra)
     with pytest.raises(ValueError, match=match):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_bits_in_config_contradicting_tensors(ckpt):
@@ -609,7 +610,7 @@ def test_bits_in_config_contradicting_tensors(ckpt):
     (folder / "quantize_config.json").write_text(json.dumps(q))
     with pytest.raises(ValueError, match=r"qweight': expected shape \[16, 128\] \(\[K\*bits/32, N\], bits=8, "
                                          r".*got \[8, 128\]"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 @pytest.mark.parametrize("written, labeled, stored", [("gptq_v2", "gptq", 8), ("gptq", "gptq_v2", 7)])
@@ -620,7 +621,7 @@ def test_sym_format_mislabeled(ckpt, written, labeled, stored):
     (folder / "quantize_config.json").write_text(json.dumps(q))
     with pytest.raises(ValueError, match=rf"qzeros': sym=true with checkpoint_format '{labeled}'.* every stored zero "
                                          rf"is {stored}: .*the config contradicts the tensors"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_dense_module_where_config_says_quantized(ckpt):
@@ -630,7 +631,7 @@ def test_dense_module_where_config_says_quantized(ckpt):
     (folder / "quantize_config.json").write_text(json.dumps(q))
     with pytest.raises(ValueError, match=r"module 'model\.layers\.0\.block_sparse_moe\.experts\.0\.w2' is stored "
                                          r"dense .* but dynamic rule .* quantizes it"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_g_idx_errors(ckpt):
@@ -639,11 +640,11 @@ def test_g_idx_errors(ckpt):
     edit_checkpoint(folder, replace={name: np.full(128, 4, np.int32)})
     with pytest.raises(ValueError, match=rf"tensor '{name}': expected group indices in \[0, 3\] \(ceil\(K/G\) = 4\), "
                                          rf"got range \[4, 4\]"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     folder, _ = _mixtral(ckpt, desc_act=True, same_gate_up_g_idx=False)
     with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.0\.w3\.g_idx' differs "
                                          r"from '.*experts\.0\.w1\.g_idx': layer 0 w13 stacks both along N"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_errors_come_before_any_tensor_data_is_read(ckpt, monkeypatch):
@@ -652,9 +653,9 @@ def test_errors_come_before_any_tensor_data_is_read(ckpt, monkeypatch):
     edit_checkpoint(folder, replace={"model.layers.0.block_sparse_moe.experts.3.w2.qweight":
                                      np.zeros((15, 64), np.int32)})
     reads = []
-    monkeypatch.setattr(C._SafetensorsFile, "read_into", lambda self, info, out: reads.append(info.name))
+    monkeypatch.setattr(SafetensorsFile, "read_into", lambda self, info, out: reads.append(info.name))
     with pytest.raises(ValueError, match=r"experts\.3\.w2\.qweight': expected shape \[16, 64\]"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     assert reads == []
 
 
@@ -669,11 +670,11 @@ def test_custom_naming_scheme(ckpt):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"unknown MoE family \(config\.json model_type 'my_moe'.*pass "
                                          r"scheme=NamingScheme"):
-        load_moe_layer(folder, 0, device=False)
+        load_layer_weights(folder, 0, device=False)
     scheme = NamingScheme(family="my_moe", experts="transformer.h.{layer}.moe.experts.{expert}.{proj}",
                           router="transformer.h.{layer}.moe.gate", block="transformer.h.{layer}",
                           renormalize=True)
-    layer = load_moe_layer(folder, 1, device=False, scheme=scheme)
+    layer = load_layer_weights(folder, 1, device=False, scheme=scheme)
     assert layer.family == "my_moe" and layer.renormalize
     renamed = {k.replace("model.layers.", "transformer.h.").replace(".mlp.", ".moe."): v for k, v in w.items()}
     for e in range(4):
@@ -681,7 +682,7 @@ def test_custom_naming_scheme(ckpt):
         assert_within_half_step(layer.w13, e, np.concatenate([renamed[base + "gate_proj"],
                                                               renamed[base + "up_proj"]], 1))
         assert_within_half_step(layer.w2, e, renamed[base + "down_proj"])
-    assert sorted(load_moe_model(folder, device=False, scheme=scheme)) == [0, 1]
+    assert sorted(load_model_weights(folder, device=False, scheme=scheme)) == [0, 1]
     with pytest.raises(ValueError, match=r"NamingScheme\.experts: expected a format string using exactly "
                                          r"\{layer\}, \{expert\} and \{proj\}"):
         NamingScheme(family="x", experts="h.{layer}.experts.{proj}", router="h.{layer}.gate")
@@ -693,22 +694,22 @@ def test_custom_naming_scheme(ckpt):
 def test_load_moe_model_progress(ckpt, capsys):
     folder, w = ckpt(family="deepseek_v3", num_layers=3)
     seen = []
-    layers = load_moe_model(folder, device=False, progress=lambda done, total, layer: seen.append((done, total,
+    layers = load_model_weights(folder, device=False, progress=lambda done, total, layer: seen.append((done, total,
                                                                                                   layer)))
     assert sorted(layers) == [1, 2] and seen == [(1, 2, 1), (2, 2, 2)]  # layer 0 is dense
     check_layer(layers[2], w, "deepseek_v3")
-    load_moe_model(folder, device=False, progress=True)
+    load_model_weights(folder, device=False, progress=True)
     err = capsys.readouterr().err
     assert "loaded MoE layer 2 (2/2" in err and err.endswith("\n")
-    load_moe_model(folder, device=False)  # stderr is not a terminal under pytest: quiet
+    load_model_weights(folder, device=False)  # stderr is not a terminal under pytest: quiet
     assert capsys.readouterr().err == ""
-    assert sorted(load_moe_model(folder, device=False, layers=[2])) == [2]
+    assert sorted(load_model_weights(folder, device=False, layers=[2])) == [2]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_inspect_reads_headers_only(ckpt, family, monkeypatch):
     folder, _ = ckpt(family=family, num_layers=2, num_shards=2, desc_act=True)
-    monkeypatch.setattr(C._SafetensorsFile, "read_into", lambda *a: pytest.fail("inspect read tensor data"))
+    monkeypatch.setattr(SafetensorsFile, "read_into", lambda *a: pytest.fail("inspect read tensor data"))
     info = inspect_checkpoint(folder)
     json.dumps(info)  # JSON-serializable for the CLI
     assert info["family"] == family and info["quantization"]["bits"] == 4 and info["quantization"]["desc_act"]
@@ -738,17 +739,13 @@ def test_inspect_reports_problems(ckpt):
 
 
 def test_peak_memory_within_twice_the_packed_layer(tmp_path):
-    """Peak RSS while loading a ~6 MB layer stays within 2x its packed bytes (benchmarks/load_memory.py)."""
-    if not Path("/proc/self/clear_refs").exists():
+    """Peak RSS while loading a ~6 MB layer stays within 2x its packed bytes (measured in a fresh process)."""
+    if not _peak_rss.can_reset_peak():
         pytest.skip("needs Linux /proc/self/clear_refs to reset the peak RSS counter")
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    try:
-        import load_memory
-    finally:
-        sys.path.pop(0)
     write_checkpoint(tmp_path, family="mixtral", hidden=512, intermediate=1024, num_experts=8, group_size=128,
                      num_shards=2, return_weights=False)
-    r = load_memory.measure(tmp_path, "load_moe_layer")
+    r = _peak_rss.measure("from cupy_moe.checkpoint import load_layer_weights",
+                          "result_bytes = load_layer_weights(args[0], 0, device=False).nbytes", tmp_path)
     assert r["peak_reset"] and r["result_bytes"] > 6_000_000
     assert r["extra_peak_bytes"] <= 2 * r["result_bytes"], r
 
@@ -760,7 +757,7 @@ def test_peak_memory_within_twice_the_packed_layer(tmp_path):
 def test_device_load_matches_host(ckpt):
     import cupy
     folder, _ = ckpt(family="qwen2_moe", desc_act=True, sym=False, bits=8)
-    host, dev = load_moe_layer(folder, 0, device=False), load_moe_layer(folder, 0, device=True)
+    host, dev = load_layer_weights(folder, 0, device=False), load_layer_weights(folder, 0, device=True)
     assert dev.w13.is_device and isinstance(dev.router_weight, cupy.ndarray) and dev.shared.gate_up.is_device
     for proj in ("w13", "w2"):
         for field in ("qweight", "scales", "qzeros", "g_idx"):

@@ -21,10 +21,10 @@ ALIGN_NAMES.append("moe_align_scan")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
-@pytest.mark.parametrize("filename", ["moe_align.cu", "moe_gemm.cu"])
+@pytest.mark.parametrize("filename", ["moe_align.cu", *sorted(set(configs.KERNEL_FILES.values()))])
 def test_compiles_without_spills(filename, arch):
     # every instance the launcher can request on this arch (sm_90a adds the Hopper variants)
-    names = ALIGN_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch)
+    names = ALIGN_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch, filename)
     log = _compile.compile_for_arch(filename, names, arch)
     report = _compile.parse_ptxas_report(log)
     assert len(report) == len(names), f"expected {len(names)} kernels in the ptxas report, got {len(report)}:\n{log}"

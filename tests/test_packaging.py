@@ -36,6 +36,14 @@ def test_wheel_contains_the_kernels(wheel):
         assert f"cupy_moe/kernels/{cu.name}" in names
 
 
+def test_wheel_contains_the_tuned_tables(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tables = sorted((REPO / "cupy_moe" / "configs" / "tuned").glob("*.json"))
+    assert tables, "no tuned table ships"
+    for table in tables:
+        assert f"cupy_moe/configs/tuned/{table.name}" in names
+
+
 def test_installed_wheel_loads_kernel_sources(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -52,6 +60,11 @@ def test_installed_wheel_loads_kernel_sources(wheel, tmp_path):
         assert Path(cupy_moe.__file__).parent.parent.name == "site-packages", cupy_moe.__file__
         src = c._source("moe_gemm.cu")
         assert src.startswith('#line 1 "') and "moe_gemm" in src
+        from cupy_moe.configs import tuned
+        assert tuned.shipped_dir().is_dir() and "site-packages" in str(tuned.shipped_dir())
+        for table in tuned.shipped_dir().glob("*.json"):
+            gpu = __import__("json").loads(table.read_text())["gpu"]
+            assert tuned.load_table(gpu, (tuned.shipped_dir(),)) == tuned.read_table(table, gpu)
         print(c.kernels_dir())
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

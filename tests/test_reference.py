@@ -35,7 +35,7 @@ def stream_pack(values, bits):
     return [(stream >> (32 * w)) & 0xFFFFFFFF for w in range(nwords)]
 
 
-# --------------------------------------------------------------------------- worked examples (GPTQ_FORMAT.md §2, §5)
+# --------------------------------------------------------------------------- worked examples (docs/gptq_layout.md)
 def test_worked_example_4bit_qweight():
     q = np.array([3, 0, 15, 7, 8, 1, 12, 5]).reshape(8, 1)  # [K=8, N=1]
     qweight = ref.pack_rows(q, 4)

@@ -1,7 +1,7 @@
 """The checkpoint writer (cupy_moe.testing): valid safetensors, genuine GPTQ conventions, reproducible.
 
 Loading round trips live in test_checkpoint.py; this file checks the files themselves with safetensors'
-own reader and the constants of GPTQ_FORMAT.md, independently of cupy_moe.checkpoint.
+own reader and the constants of docs/gptq_layout.md, independently of cupy_moe.checkpoint.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from cupy_moe import reference as R
 from cupy_moe import testing as T
+from cupy_moe.checkpoint.safetensors import bf16_to_f32
 from cupy_moe.testing import FAMILIES, edit_checkpoint, write_checkpoint
 
 
@@ -62,7 +63,7 @@ def test_files_are_valid_safetensors_with_family_names(tmp_path, family):
 @pytest.mark.parametrize("bits, fmt, word", [(4, "gptq", 0x77777777), (4, "gptq_v2", 0x88888888),
                                              (8, "gptq", 0x7F7F7F7F), (2, "gptq", 0x55555555)])
 def test_sym_qzeros_constants(tmp_path, bits, fmt, word):
-    """GPTQ_FORMAT.md §2: every sym qzeros word is one constant (v1 stores zero - 1)."""
+    """docs/gptq_layout.md: every sym qzeros word is one constant (v1 stores zero - 1)."""
     write_checkpoint(tmp_path, bits=bits, checkpoint_format=fmt)
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
         qz = f.get_tensor("model.layers.0.block_sparse_moe.experts.0.w1.qzeros")
@@ -110,11 +111,11 @@ def test_bf16_written_as_bits(tmp_path):
     assert tensors["model.layers.0.block_sparse_moe.gate.weight"][0] == "BF16"
     # round to nearest even: halfway cases go to the even 7-bit mantissa
     x = np.array([1.0, -2.5, 1 + 2.0 ** -8, 1 + 3 * 2.0 ** -8, 1 + 2.0 ** -8 + 2.0 ** -20, 65504.0], np.float32)
-    np.testing.assert_array_equal(T._from_bf16_bits(T._to_bf16_bits(x)),
+    np.testing.assert_array_equal(bf16_to_f32(T._to_bf16_bits(x)),
                                   [1.0, -2.5, 1.0, 1 + 2.0 ** -6, 1 + 2.0 ** -7, 65536.0])
     # router values returned are exactly the stored bf16 values
     r = w["model.layers.0.block_sparse_moe.gate"]
-    np.testing.assert_array_equal(T._from_bf16_bits(T._to_bf16_bits(r)), r)
+    np.testing.assert_array_equal(bf16_to_f32(T._to_bf16_bits(r)), r)
 
 
 def test_dynamic_exclusion_and_override_written(tmp_path):

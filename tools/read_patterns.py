@@ -12,19 +12,14 @@ strip SEG bytes wide down a slice of rows (linear: the buffer seen as contiguous
   ring 4 stages deep, completion on mbarriers.
 Each pattern xors every word it reads into a checksum that the host verifies.
 
-    python benchmarks/read_patterns.py
+    python tools/read_patterns.py
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
+import cupy as cp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cupy as cp  # noqa: E402
-
-import bench_gemm as bg  # noqa: E402
+from cupy_moe.timing import copy_bandwidth, event_time
 
 _SRC = r"""
 typedef unsigned int u32;
@@ -124,7 +119,7 @@ TARGET_CTAS = 8 * 132
 def main():
     names = {p: f"read_tiles<{p[1]}, {p[2]}, {p[3]}, {p[4]}>" for p in PATTERNS}
     mod = cp.RawModule(code=_SRC, options=("-std=c++17", "-arch=sm_90a"), name_expressions=list(names.values()))
-    copy_bw = bg.copy_bandwidth()
+    copy_bw = copy_bandwidth()
     print(f"# copy bandwidth {copy_bw / 1e12:.2f} TB/s (read + write); figures are read TB/s and their ratio to it")
     sink = cp.zeros(1, cp.uint32)
     for label, rows, nw in PROBLEMS:
@@ -151,7 +146,7 @@ def main():
                 sink.fill(0)
                 k(grid, (256,), args(bufs[i]), shared_mem=smem)
                 ok &= int(sink.get()[0]) == want[i]
-            t = bg.timed(lambda i: k(grid, (256,), args(bufs[i % copies]), shared_mem=smem), 20, warmup=3)
+            t = event_time(lambda i: k(grid, (256,), args(bufs[i % copies]), shared_mem=smem), reps=20, warmup=3)
             print(f"{name:32s} {t * 1e6:8.1f} us {nbytes / t / 1e12:6.2f} TB/s {nbytes / t / copy_bw:6.2f}  "
                   f"grid {grid[0]}x{grid[1]} {'checksum ok' if ok else 'CHECKSUM WRONG'}", flush=True)
         bufs.clear()

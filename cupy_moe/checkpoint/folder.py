@@ -1,0 +1,158 @@
+"""An open checkpoint folder: config.json, quantization config, naming scheme, tensor index; its layers, experts
+and modules, all from configs and safetensors headers (no tensor data)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .naming import NamingScheme, detect_scheme
+from .quant_config import Quant, find_quant_config
+from .safetensors import TensorIndex, read_json
+
+__all__ = ["Checkpoint", "Module"]
+
+
+class Checkpoint:
+    """An open checkpoint folder: configs, naming scheme, tensor index and lazily opened files."""
+
+    def __init__(self, path, scheme: NamingScheme | None = None):
+        folder = Path(path)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"{folder}: checkpoint folder not found")
+        self.folder = folder
+        cfg_path = folder / "config.json"
+        self.config = read_json(cfg_path) if cfg_path.exists() else None
+        if self.config is not None and not isinstance(self.config, dict):
+            raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
+        self.quant = find_quant_config(folder, self.config)
+        self.index = TensorIndex(folder)
+        try:
+            self.scheme = scheme if scheme is not None else detect_scheme(self.config, self.index.names(), self.folder)
+            if not isinstance(self.scheme, NamingScheme):
+                raise TypeError(f"scheme: expected a NamingScheme, got {type(self.scheme).__name__}")
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.index.close()
+
+    # ----------------------------------------------------------- family and sizes
+    def cfg(self, key: str, default=None):
+        return (self.config or {}).get(key, default)
+
+    def num_layers(self) -> int | None:
+        n = self.cfg("num_hidden_layers")
+        return int(n) if isinstance(n, int) else None
+
+    def check_layer(self, layer) -> None:
+        if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
+        n = self.num_layers()
+        if n is not None:
+            if not 0 <= layer < n:
+                raise ValueError(f"layer: layer {layer} does not exist: config.json has num_hidden_layers={n} "
+                                 f"(layers 0..{n - 1})")
+        else:
+            prefix = self.scheme.block.format(layer=layer) + "."
+            if layer < 0 or not any(name.startswith(prefix) for name in self.index.names()):
+                raise ValueError(f"layer: layer {layer} does not exist: no tensor starts with '{prefix}' "
+                                 f"(in {self.index.source})")
+        reason = self.dense_reason(int(layer))
+        if reason:
+            raise ValueError(f"layer: layer {layer} is dense ({reason}); it has no experts to load")
+
+    def dense_reason(self, layer: int) -> str | None:
+        """Why config.json makes `layer` a dense MLP layer, or None when it is an MoE layer."""
+        k = self.cfg("first_k_dense_replace")
+        if isinstance(k, int) and layer < k:
+            return f"first_k_dense_replace={k}"
+        freq = self.cfg("moe_layer_freq")
+        if isinstance(freq, int) and freq > 1 and layer % freq:
+            return f"moe_layer_freq={freq}"
+        only = self.cfg("mlp_only_layers")
+        if isinstance(only, list) and layer in only:
+            return f"mlp_only_layers={only}"
+        step = self.cfg("decoder_sparse_step")
+        if isinstance(step, int) and step > 1 and (layer + 1) % step:
+            return f"decoder_sparse_step={step}"
+        return None
+
+    def moe_layers(self) -> list[int]:
+        n = self.num_layers()
+        if n is None:
+            rx = re.compile(re.escape(self.scheme.block).replace(r"\{layer\}", r"(\d+)") + r"\.")
+            found = {int(m.group(1)) for name in self.index.names() if (m := rx.match(name))}
+            n = max(found) + 1 if found else 0
+        return [i for i in range(n) if self.dense_reason(i) is None]
+
+    def experts_found(self, layer: int) -> dict[int, set]:
+        """expert index -> set of proj names present among the tensors of `layer`."""
+        rx = self.scheme.expert_regex(layer)
+        found: dict[int, set] = {}
+        for name in self.index.names():
+            m = rx.match(name)
+            if m:
+                found.setdefault(int(m.group(1)), set()).add(m.group(2))
+        return found
+
+    def num_experts(self, layer: int) -> int:
+        """E from config.json (checked against the tensors), else from the tensors."""
+        found = self.experts_found(layer)
+        key = self.scheme.num_experts_key
+        e = self.cfg(key)
+        if isinstance(e, int) and not isinstance(e, bool):
+            extra = sorted(i for i in found if i >= e)
+            if extra:
+                mod = self.scheme.expert_module(layer, extra[0], self.scheme.gate_proj)
+                raise ValueError(f"config.json {key}={e}, but the checkpoint has tensors of expert {extra[0]} "
+                                 f"(e.g. '{mod}.*' in {self.index.source})")
+            return e
+        if not found:
+            raise ValueError(f"layer {layer}: no routed expert tensors named like "
+                             f"'{self.scheme.expert_module(layer, 0, self.scheme.gate_proj)}.*' "
+                             f"(in {self.index.source})")
+        return max(found) + 1
+
+    # ----------------------------------------------------------- modules
+    def tensor(self, name: str):
+        return self.index.get(name)
+
+    def module(self, name: str, layer: int) -> "Module":
+        """How module `name` is stored: quantized (GPTQ/AWQ) or dense, after the config and tensors agree."""
+        quant, rule = self.quant.module(name, self.scheme.block.format(layer=layer))
+        qweight = self.tensor(name + ".qweight")
+        weight = self.tensor(name + ".weight")
+        if qweight is not None:
+            if quant is None:
+                raise ValueError(f"{qweight[0].label}: tensor '{name}.qweight' exists, but {rule} says module "
+                                 f"'{name}' is not quantized (the config contradicts the tensors)")
+            return Module(name, quant, qweight, rule)
+        if weight is not None:
+            if quant is not None and rule is not None:
+                raise ValueError(f"{weight[0].label}: module '{name}' is stored dense ('{name}.weight'), but {rule} "
+                                 f"quantizes it ({quant.describe()}): the config contradicts the tensors")
+            return Module(name, None, weight, rule or "only '.weight' in the checkpoint")
+        raise ValueError(f"module '{name}': neither '{name}.qweight' (quantized) nor '{name}.weight' (dense) is in "
+                         f"the checkpoint ({self.index.source})")
+
+
+@dataclass
+class Module:
+    name: str
+    quant: Quant | None  # None: dense .weight
+    main: tuple  # (file, info) of .qweight or .weight
+    rule: str | None = None  # why it is dense / which dynamic rule quantized it
+
+    @property
+    def where(self) -> str:
+        return self.main[0].label

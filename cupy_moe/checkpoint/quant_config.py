@@ -1,0 +1,213 @@
+"""Quantization configs of GPTQ and AWQ checkpoints: parsing, per-module overrides, and how each format
+stores a Linear's tensors.
+
+The config is found in quantize_config.json, quant_config.json (AutoAWQ) or config.json['quantization_config'].
+`quant_method` picks a parser from _PARSERS; the parsed `checkpoint_format` names a StorageFormat in FORMATS,
+which tells the loader how the tensors are laid out. A format whose tensors fit StorageFormat's fields is a
+parser and/or one FORMATS entry; a new kind of layout adds a field there and its reading in loading.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .safetensors import read_json
+
+__all__ = ["StorageFormat", "FORMATS", "Quant", "QuantConfig", "parse_quant_config", "find_quant_config"]
+
+
+@dataclass(frozen=True)
+class StorageFormat:
+    """How a checkpoint format stores one quantized Linear (K in-features, N out-features, R = ceil(K/G)).
+
+    name: the format label ("gptq", "gptq_v2", "awq"). method: the quantization method it belongs to.
+    packed_along_n: qweight is [K, N*bits/32], packed along N in the AWQ nibble order (AWQ GEMM), instead of
+        GPTQ's [K*bits/32, N] packed along K.
+    zeros: how qzeros [R, N*bits/32] store zero points: "v1" (real zero - 1), "real", or "awq" (real, in the AWQ
+        nibble order).
+    zeros_always: qzeros are stored even for symmetric weights (GPTQ may omit them when sym).
+    g_idx: modules may carry an act-order `.g_idx` [K].
+    """
+    name: str
+    method: str
+    packed_along_n: bool = False
+    zeros: str = "real"
+    zeros_always: bool = False
+    g_idx: bool = True
+
+
+FORMATS = {f.name: f for f in (
+    StorageFormat("gptq", "gptq", zeros="v1"),
+    StorageFormat("gptq_v2", "gptq"),
+    StorageFormat("awq", "awq", packed_along_n=True, zeros="awq", zeros_always=True, g_idx=False),
+)}
+_GPTQ_FORMATS = tuple(f.name for f in FORMATS.values() if f.method == "gptq")
+
+
+@dataclass(frozen=True)
+class Quant:
+    """How one module is quantized. fmt: a FORMATS name: "gptq" (v1 zeros), "gptq_v2" (real zeros) or "awq"."""
+    bits: int
+    group_size: int
+    sym: bool
+    desc_act: bool
+    fmt: str
+    rule: str | None = None  # the config entry that decided it (dynamic rule), for messages
+
+    @property
+    def storage(self) -> StorageFormat:
+        return FORMATS[self.fmt]
+
+    def same_layout(self, other: "Quant") -> bool:
+        return (self.bits, self.group_size, self.sym, self.fmt) == (other.bits, other.group_size, other.sym,
+                                                                   other.fmt)
+
+    def describe(self) -> str:
+        return (f"bits={self.bits}, group_size={self.group_size}, sym={self.sym}, format={self.fmt}"
+                + (f" ({self.rule})" if self.rule else ""))
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    base: Quant
+    source: str  # "quantize_config.json", "config.json['quantization_config']", ...
+    dynamic: tuple  # ((pattern, overrides dict), ...) in file order
+    in_block: frozenset | None  # flattened modules_in_block_to_quantize
+    not_convert: tuple  # AWQ/transformers modules_to_not_convert (substrings)
+    raw: dict
+
+    def module(self, name: str, block: str) -> tuple[Quant | None, str | None]:
+        """(quantization of module `name`, or None if the config says it stays dense; the deciding rule)."""
+        for pattern, overrides in self.dynamic:
+            if pattern.startswith("-:"):
+                if re.match(pattern[2:], name):
+                    return None, f"dynamic rule '{pattern}' in {self.source}"
+            elif re.match(pattern[2:] if pattern.startswith("+:") else pattern, name):
+                rule = f"dynamic rule '{pattern}' in {self.source}"
+                q = self.base
+                return dataclasses.replace(
+                    q, bits=int(overrides.get("bits", q.bits)), group_size=int(overrides.get("group_size",
+                                                                                            q.group_size)),
+                    sym=bool(overrides.get("sym", q.sym)), desc_act=bool(overrides.get("desc_act", q.desc_act)),
+                    rule=rule), rule
+        if self.in_block is not None:
+            rel = name[len(block) + 1:] if name.startswith(block + ".") else name
+            if rel not in self.in_block:
+                return None, f"modules_in_block_to_quantize in {self.source} (does not list '{rel}')"
+        for sub in self.not_convert:
+            if sub in name:
+                return None, f"modules_to_not_convert entry '{sub}' in {self.source}"
+        return self.base, None
+
+
+def _refuse(source: str, setting: str, why: str):
+    raise ValueError(f"{source}: {setting} is not supported: {why}")
+
+
+def _check_bits_gs(source: str, bits, group_size, where: str = ""):
+    if bits is None:
+        raise ValueError(f"{source}: {where}bits: missing (expected 2, 3, 4 or 8)")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in (2, 3, 4, 8):
+        extra = " (5-7 bits exist only in GPTQModel's planar gptq_p layout)" if bits in (5, 6, 7) else ""
+        _refuse(source, f"{where}bits={bits!r}", f"GPTQ checkpoints here have bits 2, 3, 4 or 8{extra}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or (group_size < 1 and group_size != -1):
+        raise ValueError(f"{source}: {where}group_size: expected -1 or a positive int, got {group_size!r}")
+
+
+def _parse_awq(raw: dict, source: str) -> QuantConfig:
+    bits = raw.get("bits", raw.get("w_bit"))
+    group_size = raw.get("group_size", raw.get("q_group_size"))
+    version = str(raw.get("version", raw.get("format", "gemm"))).lower()
+    if version != "gemm":
+        _refuse(source, f"AWQ version={version!r}", "only AWQ GEMM checkpoints can be repacked to GPTQ layout")
+    if bits != 4:
+        _refuse(source, f"AWQ bits={bits!r}", "AWQ GEMM checkpoints are 4-bit")
+    _check_bits_gs(source, bits, group_size)
+    if raw.get("zero_point", True) is not True:
+        _refuse(source, "AWQ zero_point=false", "only AWQ with zero points (zero_point=true) is supported")
+    base = Quant(4, group_size, False, False, "awq")
+    not_convert = tuple(raw.get("modules_to_not_convert") or ())
+    return QuantConfig(base, source, (), None, not_convert, raw)
+
+
+def _parse_gptq(raw: dict, source: str) -> QuantConfig:
+    if raw.get("is_marlin_format"):
+        _refuse(source, "is_marlin_format=true", "Marlin checkpoints are pre-repacked for the Marlin kernel; "
+                "export the model in GPTQ format")
+    fmt = raw.get("checkpoint_format") or raw.get("format") or "gptq"
+    fmt = str(fmt).lower()
+    if fmt not in _GPTQ_FORMATS:
+        key = "checkpoint_format" if raw.get("checkpoint_format") else "format"
+        _refuse(source, f"{key}={fmt!r}", "expected 'gptq' (v1) or 'gptq_v2' (marlin, bitblas and gptq_p use "
+                "other layouts)")
+    pack_dtype = str(raw.get("pack_dtype", "int32")).removeprefix("torch.")
+    if pack_dtype != "int32":
+        _refuse(source, f"pack_dtype={pack_dtype!r}", "qweight/qzeros must be packed in int32 words")
+    rotation = raw.get("rotation")
+    if rotation not in (None, "", False):
+        _refuse(source, f"rotation={rotation!r}", "Hadamard-rotated weights need the rotation applied to the "
+                "activations, which cupy_moe does not do")
+    bits, group_size = raw.get("bits"), raw.get("group_size")
+    _check_bits_gs(source, bits, group_size)
+    sym, desc_act = raw.get("sym", True), raw.get("desc_act", False)
+    for key, val in (("sym", sym), ("desc_act", desc_act)):
+        if not isinstance(val, bool):
+            raise ValueError(f"{source}: {key}: expected true or false, got {val!r}")
+    base = Quant(bits, group_size, sym, desc_act, fmt)
+
+    dynamic = raw.get("dynamic") or {}
+    if not isinstance(dynamic, dict):
+        raise ValueError(f"{source}: dynamic: expected an object {{pattern: overrides}}, got {dynamic!r}")
+    rules = []
+    for pattern, overrides in dynamic.items():
+        try:
+            re.compile(pattern[2:] if pattern.startswith(("+:", "-:")) else pattern)
+        except re.error as exc:
+            raise ValueError(f"{source}: dynamic rule {pattern!r} is not a valid regular expression ({exc})") from None
+        overrides = overrides or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"{source}: dynamic rule {pattern!r}: expected an object of overrides, got {overrides!r}")
+        if not pattern.startswith("-:"):
+            _check_bits_gs(source, overrides.get("bits", bits), overrides.get("group_size", group_size),
+                           f"dynamic rule {pattern!r} ")
+            pd = str(overrides.get("pack_dtype", "int32")).removeprefix("torch.")
+            if pd != "int32":
+                _refuse(source, f"dynamic rule {pattern!r} pack_dtype={pd!r}", "qweight/qzeros must be int32 words")
+        rules.append((pattern, overrides))
+
+    in_block = raw.get("modules_in_block_to_quantize")
+    if in_block is not None:
+        flat = []
+        for item in in_block:
+            flat.extend([item] if isinstance(item, str) else item)
+        in_block = frozenset(flat)
+    return QuantConfig(base, source, tuple(rules), in_block, (), raw)
+
+
+_PARSERS = {"gptq": _parse_gptq, "awq": _parse_awq}  # quant_method -> parser
+
+
+def parse_quant_config(raw: dict, source: str) -> QuantConfig:
+    """Parse a quantization config (source names where it came from, for messages); unsupported settings raise."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: expected a JSON object, got {type(raw).__name__}")
+    autoawq = "w_bit" in raw or "q_group_size" in raw  # AutoAWQ's own quant_config.json names no method
+    method = str(raw.get("quant_method") or raw.get("method") or ("awq" if autoawq else "gptq")).lower()
+    if method not in _PARSERS:
+        _refuse(source, f"quant_method={method!r}", f"expected {' or '.join(repr(m) for m in _PARSERS)}")
+    return _PARSERS[method](raw, source)
+
+
+def find_quant_config(folder: Path, config: dict | None) -> QuantConfig:
+    """The checkpoint's quantization config, from its first file found (config: the parsed config.json)."""
+    for name in ("quantize_config.json", "quant_config.json"):
+        p = folder / name
+        if p.exists():
+            return parse_quant_config(read_json(p), name)
+    if config is not None and config.get("quantization_config") is not None:
+        return parse_quant_config(config["quantization_config"], "config.json['quantization_config']")
+    raise ValueError(f"{folder}: no quantization config (looked for quantize_config.json, quant_config.json and "
+                     f"config.json['quantization_config'])")
+

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call that checks everything GPU-side and makes the performance figures; logs under $OUT:
+#   tests.log (the test suite), memcheck.log (compute-sanitizer over the GPU tests of the kernels),
+#   bench.txt + bench.json + performance.png (one GEMM phase against the roofline, as in docs/performance.md),
+#   layer.txt (a whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model),
+#   examples.txt; when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
+# Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
+# STAGES picks stages (default all but reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py; TESTS_ARGS to
+# pytest (default: the whole suite, whose NVRTC compile tests alone take minutes; "-m gpu tests" runs only the tests
+# that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+STAGES=${STAGES:-tests,memcheck,bench,layer,demo,tune,examples}
+summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
+
+stage() {  # stage NAME TIMEOUT LOG COMMAND...
+  local name=$1 limit=$2 log=$3; shift 3
+  [[ ,$STAGES, == *,$name,* ]] || return 0
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$log" 2>&1
+  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|saved|wrote|CHECKSUM' "$log" | tail -n 3 | tr '\n' ' ')")
+}
+
+stage reads "${READS_TIMEOUT:-180}" "$OUT/reads.txt" bash -c 'python3 tools/read_patterns.py && python3 tools/read_floor.py --m 1,16'
+stage tests "${TESTS_TIMEOUT:-900}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
+stage memcheck "${MEMCHECK_TIMEOUT:-400}" "$OUT/memcheck.log" \
+  compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+  python3 -m pytest -q -p no:cacheprovider -m gpu ${MEMCHECK_ARGS:-tests/test_gpu_gemm.py tests/test_gpu_align.py tests/test_gpu_layer.py -k "not large and not 2_pow_24"}
+stage bench "${BENCH_TIMEOUT:-400}" "$OUT/bench.txt" \
+  python3 benchmarks/bench_gemm.py --targets roofline --json "$OUT/bench.json" ${BENCH_ARGS:-}
+[[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
+stage layer "${LAYER_TIMEOUT:-120}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py
+stage demo "${DEMO_TIMEOUT:-120}" "$OUT/demo.txt" python3 -m cupy_moe demo
+stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" bash -c \
+  'CUPY_MOE_CACHE_DIR=/tmp/tune python3 -m cupy_moe tune --models Qwen3-30B-A3B --m 1,64,1024 --reps 5 && cat /tmp/tune/*.json'
+stage examples "${EXAMPLES_TIMEOUT:-60}" "$OUT/examples.txt" \
+  bash -c 'for f in examples/*.py; do echo "== $f"; python3 "$f" || echo "FAILED $f"; done'
+
+echo "==================== summary"
+grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | head -n 25
+[[ -f $OUT/bench.txt ]] && grep -vE '^#' "$OUT/bench.txt" | tail -n 130
+[[ -f $OUT/layer.txt ]] && cat "$OUT/layer.txt"
+[[ -f $OUT/demo.txt ]] && tail -n 4 "$OUT/demo.txt"
+printf '%s\n' "${summary[@]}"
