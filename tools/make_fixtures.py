@@ -229,11 +229,7 @@ def write_sidecars(fx: Fixture, folder: Path, x, result: dict, dequant: dict, qu
 
 
 def dequantized_weights(block) -> dict:
-    """The tool's dequantized weights of one MoE block as {"experts.{proj}": [E, K, N], "<module>": [K, N]}.
-
-    Quantized linear modules (GPTQModel) are dequantized by the tool; transformers' fused experts
-    (gate_up_proj [E, 2I, H], down_proj [E, H, I], as compressed-tensors decompresses them on load) are split.
-    """
+    """GPTQModel's dequantized weights of one MoE block: {"experts.{proj}": [E, K, N], "<module>": [K, N]}."""
     import torch
     out = {}
     with torch.no_grad():
@@ -241,16 +237,8 @@ def dequantized_weights(block) -> dict:
             if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight"):
                 w = mod.dequantize_weight().float().numpy()
                 out[name] = w if w.shape == (mod.in_features, mod.out_features) else w.T
-            elif isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter) and mod.gate_up_proj.ndim == 3:
-                gu = mod.gate_up_proj.float().numpy()
-                i = gu.shape[1] // 2
-                out[f"{name}.gate_proj"] = gu[:, :i].transpose(0, 2, 1)
-                out[f"{name}.up_proj"] = gu[:, i:].transpose(0, 2, 1)
-                out[f"{name}.down_proj"] = mod.down_proj.float().numpy().transpose(0, 2, 1)
-            elif isinstance(mod, torch.nn.Linear) and hasattr(mod, "weight_packed"):
-                raise ValueError(f"{name}: still compressed after loading; expected decompressed weights")
             elif isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in ("gate_proj", "up_proj", "down_proj"):
-                out[name] = mod.weight.float().numpy().T
+                out[name] = mod.weight.float().numpy().T  # a projection the quantize config left dense
     return _stack(out)
 
 
@@ -395,7 +383,7 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
     block = moe_blocks(model, cfg)[fx.layer]
     x = block_input(fx)
     result = run_block(block, x)
-    dequant, modules = {}, {}
+    dequant = {}
     with torch.no_grad():
         for name, mod in block.named_modules():
             qs = getattr(mod, "quantization_scheme", None)
@@ -410,7 +398,8 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
     del model
     # The saved tensors must decode (independently of the tool) to the weights that produced y.
     index = dest / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     tensors = {}
     for fname in files:
         with safe_open(dest / fname, framework="pt") as st:
@@ -442,9 +431,10 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
              f"(fake-quantized weights)",
              f"y recomputed in float32 from the dequantized weights and topk_ids/topk_weights: max rel err {err:.2e}",
              f"the saved pack-quantized tensors decode to those dequantized weights: max rel err {worst:.1e}",
-             f"transformers {transformers.__version__} AutoModelForCausalLM.from_pretrained(folder) gives y with max rel "
-             f"err {reload_err:.2e}" + ("" if reload_err < 2e-2 else
-                                        " (it does not read these expert tensors back: they stay randomly initialized)")]
+             f"transformers {transformers.__version__} AutoModelForCausalLM.from_pretrained(folder) gives y with max "
+             f"rel err {reload_err:.2e}"
+             + ("" if reload_err < 2e-2 else " (it does not read these expert tensors back: they stay randomly "
+                                              "initialized)")]
     write_sidecars(fx, dest, x, result, dequant, {"GPTQModifier.config_groups": scheme, "saved": saved}, cfg, notes)
     print("   " + "\n   ".join(notes[1:]))
     return err
