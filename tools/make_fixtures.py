@@ -296,7 +296,8 @@ def make_gptqmodel(fx: Fixture, work: Path, dest: Path):
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     src = work / "float"
     cfg = build_model(fx, src)
-    kw = dict(bits=fx.bits, group_size=fx.group_size, sym=fx.sym, desc_act=fx.desc_act)
+    # offload_to_disk=False: nothing to offload in a tiny model, and the saved config names no temporary folder
+    kw = dict(bits=fx.bits, group_size=fx.group_size, sym=fx.sym, desc_act=fx.desc_act, offload_to_disk=False)
     if fx.dynamic:
         kw["dynamic"] = fx.dynamic
     if fx.desc_act:
