@@ -57,3 +57,21 @@ def to_device(x, what: str = "copying to the device"):
     out = cp.empty(x.shape, x.dtype)
     out.set(numpy.ascontiguousarray(x))
     return out
+
+# activations and outputs of the GEMMs and the layer, on both paths (the kernels' element types)
+ACTIVATION_DTYPES = ("float16", "bfloat16")
+
+
+def check_input(name: str, x, dtypes: tuple[str, ...], letters: str, ndim: int | tuple[int, ...] = 2):
+    """The public functions' rule for one input array, the same on the NumPy and the CuPy path (so a script
+    prototyped on NumPy moves to CuPy unchanged): a NumPy or CuPy array (TypeError otherwise, e.g. for a list),
+    of one of `dtypes` (names, TypeError), with `ndim` dimensions (ValueError). Returns x."""
+    if not isinstance(x, numpy.ndarray) and not is_device_array(x):
+        raise TypeError(f"{name}: expected a NumPy or CuPy array {letters}, got {type(x).__name__}")
+    if x.dtype.name not in dtypes:
+        raise TypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {x.dtype.name}")
+    ndims = (ndim,) if isinstance(ndim, int) else ndim
+    if x.ndim not in ndims:
+        raise ValueError(f"{name}: expected a {' or '.join(map(str, ndims))}-D array {letters}, got shape "
+                         f"{tuple(x.shape)}")
+    return x

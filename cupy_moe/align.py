@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile
-from ._xp import is_device_array, require_gpu
+from ._xp import check_input, is_device_array, require_gpu
 
 __all__ = ["moe_align_block_size", "align_capacity", "MAX_EXPERTS", "MAX_PAIRS"]
 
@@ -55,15 +55,12 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
         expert_ids = [0, 1, 3, -1], num_tokens_post_padded = [12]
     On the GPU, ids outside [0, E) are skipped (checking them would need a host sync); the reference raises.
     """
+    check_input("topk_ids", topk_ids, ("int32", "int64"), "[M, A]")
     if not is_device_array(topk_ids):
         from . import reference
         return reference.moe_align_block_size(topk_ids, block_size, num_experts)
     cp = require_gpu("moe_align_block_size on CuPy arrays")
     # check
-    if topk_ids.ndim != 2:
-        raise ValueError(f"topk_ids: expected 2-D [M, A], got shape {topk_ids.shape}")
-    if topk_ids.dtype not in (np.int32, np.int64):
-        raise TypeError(f"topk_ids: expected int32 or int64, got {topk_ids.dtype}")
     b = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
     e = _check_int("num_experts", num_experts, 1, MAX_EXPERTS)
     p = topk_ids.size

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile, configs
-from ._xp import is_device_array, require_gpu
+from ._xp import ACTIVATION_DTYPES, check_input, is_device_array, require_gpu
 from .align import align_capacity
 from .weights import StackedGptqWeight
 
@@ -116,7 +116,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
                    topk_weights=None, out=None, *, a_pair_order=False, config=None, workspace=None):
     """out[p, :] = a[p // top_k, :] @ W[expert of p] (* topk_weights[p]), rounded once to a's dtype.
 
-    a: float16 or bfloat16 [M, K] (NumPy input: any float dtype the reference takes).
+    a: float16 or bfloat16 [M, K], NumPy or CuPy (the same inputs are accepted on both paths).
     weight: StackedGptqWeight on the device (it validates its own arrays): bits 4 or 8, K and N multiples of 32,
         group_size G -1 or a multiple of 32.
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
@@ -142,6 +142,9 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     A block whose expert id is outside [0, E) is skipped: its rows stay untouched (ids are not checked on the host,
     which would need a synchronization).
     """
+    check_input("a", a, ACTIVATION_DTYPES, "[M, K]")
+    if topk_weights is not None:
+        check_input("topk_weights", topk_weights, ("float32",), "[M, top_k] or [P]", ndim=(1, 2))
     if not is_device_array(a):
         from . import reference
         block_m = _block_size(sorted_token_ids, expert_ids)
@@ -151,12 +154,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
                                         topk_weights=topk_weights, out=out, a_pair_order=a_pair_order)
     cp = require_gpu("fused_moe_gemm on CuPy arrays")
     # ---- check (the weight validated its own arrays when it was made; what is checked here is this launch's)
-    if a.dtype == np.float16:
-        bf16 = False
-    elif a.dtype.name == "bfloat16":
-        bf16 = True
-    else:
-        _fail("a", "float16 or bfloat16", a.dtype, TypeError)
+    bf16 = a.dtype.name == "bfloat16"
     _check_dev_array(cp, "a", a, a.dtype, 2, "[M, K]")
     if not isinstance(weight, StackedGptqWeight):
         _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile, configs, reference
-from ._xp import cupy, is_device_array, require_gpu
+from ._xp import ACTIVATION_DTYPES, check_input, cupy, is_device_array, require_gpu
 from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
 from .weights import StackedGptqWeight
@@ -65,6 +65,7 @@ def select_experts(router_logits, top_k, renormalize=False):
     renormalize: divide the A weights of each token by their sum.
     Returns topk_weights float32 [M, A] and topk_ids int32 [M, A], on the device for CuPy input.
     """
+    check_input("router_logits", router_logits, ("float16", "bfloat16", "float32"), "[M, E]")
     if not is_device_array(router_logits):
         return reference.select_experts(router_logits, top_k, renormalize)
     cp = require_gpu("select_experts on CuPy arrays")
@@ -108,7 +109,14 @@ def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, StackedGptqWeight):
             raise TypeError(f"{name}: expected a StackedGptqWeight, got {type(w).__name__}")
-    _check_matrix("hidden_states", hidden_states, "[M, H]")
+    check_input("hidden_states", hidden_states, ACTIVATION_DTYPES, "[M, H]")
+    check_input("topk_ids", topk_ids, ("int32", "int64"), "[M, A]")
+    check_input("topk_weights", topk_weights, ("float32",), "[M, A]")
+    device = is_device_array(hidden_states)
+    for name, x in (("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13.qweight), ("w2", w2.qweight)):
+        if is_device_array(x) != device:
+            raise TypeError(f"{name}: expected {'CuPy' if device else 'NumPy'} arrays, as hidden_states, got "
+                            f"{'CuPy' if is_device_array(x) else 'NumPy'} ones")
     m, h = hidden_states.shape
     if w13.k != h:
         raise ValueError(f"w13: expected K = H = {h} (hidden_states' columns), got K={w13.k}")
@@ -260,6 +268,7 @@ class MoELayer:
             where = "CuPy" if is_device_array(w.router_weight) else "NumPy"
             raise TypeError(f"hidden_states: expected a {where} array (where the layer's weights are), "
                             f"got {type(x).__name__}")
+        check_input("hidden_states", x, ACTIVATION_DTYPES, "[M, H]")
         _check_matrix("hidden_states", x, "[M, H]", cols=w.hidden_size)
 
     def route(self, hidden_states):
