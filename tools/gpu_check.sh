@@ -3,7 +3,7 @@
 #   tests.log (the test suite), memcheck.log (compute-sanitizer over the GPU tests of the kernels),
 #   bench.txt + bench.json + performance.png (one GEMM phase against the roofline, as in docs/performance.md),
 #   layer.txt (a whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model),
-#   examples.txt; when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
+#   examples.txt, compare.txt + compare.json (with OTHER=<another checkout>: tools/compare_versions.py); when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
 # STAGES picks stages (default all but reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py; TESTS_ARGS to
 # pytest (default: the whole suite, whose NVRTC compile tests alone take minutes; "-m gpu tests" runs only the tests
@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-STAGES=${STAGES:-tests,memcheck,bench,layer,demo,tune,examples}
+STAGES=${STAGES:-tests,memcheck,bench,compare,layer,demo,tune,examples}
 summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
 
 stage() {  # stage NAME TIMEOUT LOG COMMAND...
@@ -20,7 +20,7 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
   [[ ,$STAGES, == *,$name,* ]] || return 0
   local t0=$SECONDS
   timeout "$limit" "$@" > "$log" 2>&1
-  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|saved|wrote|CHECKSUM' "$log" | tail -n 3 | tr '\n' ' ')")
+  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|saved|wrote|checksums' "$log" | tail -n 3 | tr '\n' ' ')")
 }
 
 stage reads "${READS_TIMEOUT:-180}" "$OUT/reads.txt" bash -c 'python3 tools/read_patterns.py && python3 tools/read_floor.py --m 1,16'
@@ -31,6 +31,8 @@ stage memcheck "${MEMCHECK_TIMEOUT:-400}" "$OUT/memcheck.log" \
 stage bench "${BENCH_TIMEOUT:-400}" "$OUT/bench.txt" \
   python3 benchmarks/bench_gemm.py --targets roofline --json "$OUT/bench.json" ${BENCH_ARGS:-}
 [[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
+[[ -n ${OTHER:-} ]] && stage compare "${COMPARE_TIMEOUT:-400}" "$OUT/compare.txt" \
+  python3 tools/compare_versions.py "$OTHER" --json "$OUT/compare.json" ${COMPARE_ARGS:-}
 stage layer "${LAYER_TIMEOUT:-120}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py
 stage demo "${DEMO_TIMEOUT:-120}" "$OUT/demo.txt" python3 -m cupy_moe demo
 stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" bash -c \

@@ -1,0 +1,136 @@
+"""Two versions of cupy_moe side by side in one process: per row, the checksum of each version's output and each
+version's time, so that a refactor can be shown to keep results bitwise and speed within noise.
+
+    python tools/compare_versions.py OTHER_CHECKOUT [--models ...] [--m 1,16,64,256,1024,4096] [--json FILE]
+
+OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
+package is imported as a second module next to this checkout's `cupy_moe`. Rows are (model, phase, M) as in
+benchmarks/bench_gemm.py, on random 4-bit weights (G = 128, real zero points) and fp16 activations, with the
+routing of each version's own choice (M = 1: one pair per block, as fused_moe runs it; down on 16-row blocks: pair-
+ordered activations), and whole-layer rows (`fused_moe`) at a few M. Both versions see the same inputs; each runs
+only its public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`), so
+any two versions since the tile choice took its present signature can be compared. Times are graph replays
+(cupy_moe.timing), the two versions interleaved row by row. Exit status 1 when a checksum differs.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+import cupy_moe
+from cupy_moe.models import BENCHMARK_MODELS, get_model
+from cupy_moe.timing import graph_time
+
+G, BITS, ROTATIONS = 128, 4, 4
+LAYER_MS = (1, 8, 64, 256)
+
+
+def import_other(root: Path):
+    """The package of another checkout as module `cupy_moe_other` (its kernels come from its own kernels/)."""
+    init = root / "cupy_moe" / "__init__.py"
+    if not init.is_file():
+        raise SystemExit(f"compare_versions: {root} has no cupy_moe/__init__.py (expected a checkout's root)")
+    spec = importlib.util.spec_from_file_location("cupy_moe_other", init,
+                                                  submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cupy_moe_other"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_weight(cp, pkg, e, k, n, seed):
+    rs = cp.random.RandomState(seed)
+    qweight = rs.randint(-2**31, 2**31 - 1, size=(e, k * BITS // 32, n), dtype=cp.int32)
+    scales = (rs.uniform(0.5, 1.5, size=(e, k // G, n)) / (2**BITS * np.sqrt(k))).astype(cp.float16)
+    qzeros = rs.randint(-2**31, 2**31 - 1, size=(e, k // G, n * BITS // 32), dtype=cp.int32)
+    return pkg.StackedGptqWeight(qweight, scales, qzeros, None, bits=BITS, group_size=G)
+
+
+def digest(cp, x) -> str:
+    return hashlib.sha1(cp.asnumpy(x).tobytes()).hexdigest()[:16]
+
+
+def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n):
+    """(label of the configuration, one zero-argument call per input set, their outputs) for one version."""
+    rows, top_k = (m, a) if phase == "gate_up" else (m * a, 1)
+    cfg = pkg.configs.choose_config(rows, e, top_k, k, n, BITS, G)
+    pair = phase == "down" and pkg.configs.down_pair_order(BITS, cfg.block_m)
+    calls, outs = [], []
+    for ids, tw, x, act in sets:
+        src, pair_ids, weights = (x, ids, None) if phase == "gate_up" else (act, ids.reshape(-1, 1), tw)
+        aligned = ((None, cp.ascontiguousarray(pair_ids), None) if m == 1
+                   else pkg.moe_align_block_size(pair_ids, cfg.block_m, e))
+        out = cp.zeros((m * a, n), cp.float16)
+        calls.append(lambda src=src, al=aligned, w=weights, o=out: pkg.fused_moe_gemm(
+            src, weight, *al, top_k, topk_weights=w, out=o, a_pair_order=pair))
+        outs.append(out)
+    return f"{cfg.block_m}/{cfg.split_k}/{cfg.kind}", calls, outs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("other", type=Path, help="root of the other checkout")
+    ap.add_argument("--models", default=",".join(BENCHMARK_MODELS))
+    ap.add_argument("--m", default="1,16,64,256,1024,4096")
+    ap.add_argument("--reps", type=int, default=10, help="graph replays per timing")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    import cupy as cp
+    versions = {"this": cupy_moe, "other": import_other(args.other.resolve())}
+    results = []
+    print(f"{'model':18s} {'phase':7s} {'M':>5s} {'this cfg':>12s} {'other cfg':>12s} {'this us':>9s} "
+          f"{'other us':>9s} {'ratio':>6s}  checksum")
+    for model in (get_model(name) for name in args.models.split(",")):
+        h, inter, e, a = model.hidden, model.intermediate, model.num_experts, model.top_k
+        phases = model.phases()
+        weights = {ph: {v: random_weight(cp, pkg, e, k, n, seed) for v, pkg in versions.items()}
+                   for seed, (ph, (k, n, _)) in enumerate(phases.items(), 1)}
+        for m in (int(v) for v in args.m.split(",")):
+            rng = np.random.default_rng(7 * m + len(model.name))
+            sets = [(cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)),
+                     cp.asarray(rng.random((m, a)).astype(np.float32)),
+                     cp.asarray(rng.standard_normal((m, h)).astype(np.float16)),
+                     cp.asarray((0.5 * rng.standard_normal((m * a, inter))).astype(np.float16)))
+                    for _ in range(ROTATIONS)]
+            for phase, (k, n, _) in phases.items():
+                row = dict(model=model.name, phase=phase, m=m)
+                for v, pkg in versions.items():
+                    label, calls, outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n)
+                    calls[0]()
+                    row[f"{v}_config"], row[f"{v}_checksum"] = label, digest(cp, outs[0])
+                    row[f"{v}_us"] = graph_time(calls, reps=args.reps) * 1e6
+                results.append(report(row))
+            if m in LAYER_MS:
+                ids, tw, x, _ = sets[0]
+                row = dict(model=model.name, phase="layer", m=m)
+                for v, pkg in versions.items():
+                    y = pkg.fused_moe(x, weights["gate_up"][v], weights["down"][v], tw, ids)
+                    row[f"{v}_checksum"] = digest(cp, y)
+                results.append(report(row))
+        del weights
+        cp.get_default_memory_pool().free_all_blocks()
+    same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
+    ratios = np.array([r["this_us"] / r["other_us"] for r in results if "this_us" in r])
+    print(f"# checksums: {same}/{len(results)} rows identical; time this/other over {ratios.size} GEMM rows: median "
+          f"{np.median(ratios):.3f}, min {ratios.min():.3f}, max {ratios.max():.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0 if same == len(results) else 1
+
+
+def report(row: dict) -> dict:
+    mark = "same" if row["this_checksum"] == row["other_checksum"] else "DIFFERENT"
+    times = (f"{row.get('this_config', ''):>12s} {row.get('other_config', ''):>12s} {row['this_us']:9.1f} "
+             f"{row['other_us']:9.1f} {row['this_us'] / row['other_us']:6.3f}" if "this_us" in row else " " * 53)
+    print(f"{row['model']:18s} {row['phase']:7s} {row['m']:5d} {times}  {mark} {row['this_checksum']}", flush=True)
+    return row
+
+
+if __name__ == "__main__":
+    sys.exit(main())
