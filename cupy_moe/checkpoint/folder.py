@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .naming import NamingScheme, detect_scheme
+from .naming import NamingScheme, config_value, detect_scheme
 from .quant_config import Quant, find_quant_config
 from .safetensors import TensorIndex, read_json
 
@@ -49,6 +49,10 @@ class Checkpoint:
     # ----------------------------------------------------------- family and sizes
     def cfg(self, key: str, default=None):
         return (self.config or {}).get(key, default)
+
+    def cfg_size(self, key: str) -> tuple:
+        """(value, key found) of a size key, its CONFIG_SYNONYMS spellings included; (None, None) if absent."""
+        return config_value(self.config, key)
 
     def num_layers(self) -> int | None:
         n = self.cfg("num_hidden_layers")
@@ -108,8 +112,7 @@ class Checkpoint:
     def num_experts(self, layer: int) -> int:
         """E from config.json (checked against the tensors), else from the tensors."""
         found = self.experts_found(layer)
-        key = self.scheme.num_experts_key
-        e = self.cfg(key)
+        e, key = self.cfg_size(self.scheme.num_experts_key)
         if isinstance(e, int) and not isinstance(e, bool):
             extra = sorted(i for i in found if i >= e)
             if extra:
@@ -130,11 +133,12 @@ class Checkpoint:
     def module(self, name: str, layer: int) -> "Module":
         """How module `name` is stored: quantized (GPTQ/AWQ) or dense, after the config and tensors agree."""
         quant, rule = self.quant.module(name, self.scheme.block.format(layer=layer))
-        qweight = self.tensor(name + ".qweight")
+        qname = self.quant.base.storage.tensor(name, "qweight")
+        qweight = self.tensor(qname)
         weight = self.tensor(name + ".weight")
         if qweight is not None:
             if quant is None:
-                raise ValueError(f"{qweight[0].label}: tensor '{name}.qweight' exists, but {rule} says module "
+                raise ValueError(f"{qweight[0].label}: tensor '{qname}' exists, but {rule} says module "
                                  f"'{name}' is not quantized (the config contradicts the tensors)")
             return Module(name, quant, qweight, rule)
         if weight is not None:
@@ -142,7 +146,7 @@ class Checkpoint:
                 raise ValueError(f"{weight[0].label}: module '{name}' is stored dense ('{name}.weight'), but {rule} "
                                  f"quantizes it ({quant.describe()}): the config contradicts the tensors")
             return Module(name, None, weight, rule or "only '.weight' in the checkpoint")
-        raise ValueError(f"module '{name}': neither '{name}.qweight' (quantized) nor '{name}.weight' (dense) is in "
+        raise ValueError(f"module '{name}': neither '{qname}' (quantized) nor '{name}.weight' (dense) is in "
                          f"the checkpoint ({self.index.source})")
 
 
@@ -150,7 +154,7 @@ class Checkpoint:
 class Module:
     name: str
     quant: Quant | None  # None: dense .weight
-    main: tuple  # (file, info) of .qweight or .weight
+    main: tuple  # (file, info) of the packed weight (.qweight, .weight_packed) or .weight
     rule: str | None = None  # why it is dense / which dynamic rule quantized it
 
     @property
