@@ -1,0 +1,421 @@
+"""Regenerate the real-tool checkpoint fixtures under tests/data/real/.
+
+Each fixture is a tiny random-weight MoE model built with transformers, quantized by a real tool (GPTQModel, or
+llm-compressor for compressed-tensors) on a few random calibration sequences and saved by that tool, next to:
+
+    io.npz         x [M, H] (the input of one MoE block), y [M, H] (the tool's own output of that whole block:
+                   router, routed experts, shared experts), router_logits / topk_ids / topk_weights (what the
+                   tool's router chose for x) and, per quantized projection of the block, the tool's dequantized
+                   weight [E, K, N] ("experts.gate_proj", ...) or [K, N] ("shared_expert.down_proj", ...);
+                   plus "layer" (the decoder layer the block belongs to)
+    versions.json  python/torch/transformers/tool versions, the model config and the exact quantize config
+
+The tools cannot share one environment, so each run makes the fixtures of the tools importable in the running
+interpreter (or the ones named with --only):
+
+    python tools/make_fixtures.py                 # every fixture whose tool is installed here
+    python tools/make_fixtures.py --only qwen3_moe_gptq_w8_g128 --keep-work
+
+Needs torch, transformers 5, tokenizers and gptqmodel (GPTQModel fixtures) or llmcompressor (compressed-tensors
+fixtures); CPU only, no downloads. GPTQModel writes a logs/ folder into the working directory: run from a
+scratch directory, e.g. `cd /tmp && python <repo>/tools/make_fixtures.py`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+OUT = REPO / "tests" / "data" / "real"
+
+VOCAB = 256  # tiny WordLevel vocabulary: 4 special tokens, then "t4" .. "t255"
+SEED = 1234
+CALIB_SEQUENCES, CALIB_LENGTH = 48, 32
+M_TOKENS = 6
+
+
+@dataclass(frozen=True)
+class Fixture:
+    """One fixture: a family's tiny config, how the tool quantizes it, and the MoE layer io.npz covers."""
+    name: str
+    tool: str  # "gptqmodel" or "llmcompressor"
+    family: str  # transformers model_type
+    bits: int
+    group_size: int
+    sym: bool = True
+    desc_act: bool = False  # GPTQModel act-order (with act_group_aware=False: a real permuting g_idx)
+    actorder: str | None = None  # llm-compressor GPTQModifier actorder: "weight" or None (its "static" default);
+    # "group" (the one that saves a weight_g_idx) is removed from llm-compressor 0.14
+    intermediate: int = 64  # expert intermediate size I
+    shard_kb: int | None = None  # save with this max shard size (KB): several safetensors files + index
+    layer: int = 1  # the decoder layer whose MoE block io.npz covers
+    dtype: str = "float16"  # the model's float dtype (bfloat16: x and y are stored as exact float32)
+    extra: dict = field(default_factory=dict)  # config overrides
+
+
+HIDDEN = 128
+
+FIXTURES = [
+    Fixture("mixtral_gptq_w4_g64_actorder", "gptqmodel", "mixtral", 4, 64, desc_act=True, intermediate=128),
+    Fixture("qwen2_moe_gptq_w4_g128_asym", "gptqmodel", "qwen2_moe", 4, 128, sym=False, intermediate=128),
+    Fixture("qwen3_moe_gptq_w8_g128", "gptqmodel", "qwen3_moe", 8, 128, intermediate=128),
+    Fixture("deepseek_v2_gptq_w4_g64_grouped", "gptqmodel", "deepseek_v2", 4, 64, layer=2),
+    Fixture("deepseek_v3_gptq_w4_g128_sharded", "gptqmodel", "deepseek_v3", 4, 128, intermediate=128,
+            shard_kb=400, layer=2, dtype="bfloat16"),
+    Fixture("qwen3_moe_ct_w4a16_g128_sym", "llmcompressor", "qwen3_moe", 4, 128, intermediate=128),
+    Fixture("mixtral_ct_w4a16_g64_asym", "llmcompressor", "mixtral", 4, 64, sym=False, actorder="weight"),
+]
+
+
+# --------------------------------------------------------------------------- tiny models
+
+
+def model_config(fx: Fixture) -> dict:
+    """config.json keys of the tiny model (transformers 5 names)."""
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=3,
+                  tie_word_embeddings=False, hidden_act="silu", rms_norm_eps=1e-6, initializer_range=0.02)
+    e, i = 8, fx.intermediate
+    if fx.family == "mixtral":
+        cfg = dict(common, model_type="mixtral", num_hidden_layers=2, intermediate_size=i, num_local_experts=e,
+                   num_experts_per_tok=2, head_dim=32)
+    elif fx.family == "qwen2_moe":
+        cfg = dict(common, model_type="qwen2_moe", num_hidden_layers=2, intermediate_size=2 * i,
+                   moe_intermediate_size=i, shared_expert_intermediate_size=i, num_experts=e,
+                   num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])
+    elif fx.family == "qwen3_moe":
+        cfg = dict(common, model_type="qwen3_moe", num_hidden_layers=2, intermediate_size=2 * i,
+                   moe_intermediate_size=i, num_experts=e, num_experts_per_tok=2, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[], head_dim=32)
+    elif fx.family in ("deepseek_v2", "deepseek_v3"):
+        cfg = dict(common, model_type=fx.family, num_hidden_layers=3, first_k_dense_replace=1,
+                   intermediate_size=2 * i, moe_intermediate_size=i, n_routed_experts=e, n_shared_experts=1,
+                   num_experts_per_tok=2, n_group=4, topk_group=2, kv_lora_rank=64, q_lora_rank=64,
+                   qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_key_value_heads=4)
+        if fx.family == "deepseek_v2":
+            cfg.update(topk_method="group_limited_greedy", routed_scaling_factor=1.5, norm_topk_prob=False)
+        else:
+            cfg.update(topk_method="noaux_tc", scoring_func="sigmoid", routed_scaling_factor=2.5,
+                       norm_topk_prob=True)
+    else:
+        raise ValueError(f"family: unknown {fx.family!r}")
+    cfg.update(fx.extra)
+    return cfg
+
+
+def build_tokenizer(folder: Path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    specials = ["<unk>", "<s>", "</s>", "<pad>"]
+    vocab = {tok: n for n, tok in enumerate(specials + [f"t{n}" for n in range(len(specials), VOCAB)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(folder)
+
+
+def moe_blocks(model, cfg: dict):
+    """{layer: MoE block module} of a transformers model (the decoder layer's `.mlp`)."""
+    layers = model.model.layers
+    first_dense = cfg.get("first_k_dense_replace", 0)
+    return {n: layer.mlp for n, layer in enumerate(layers) if n >= first_dense}
+
+
+def build_model(fx: Fixture, folder: Path):
+    """Save a tiny random float16 model (and tokenizer) of fx's family into `folder`; return its config dict."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = model_config(fx)
+    torch.manual_seed(SEED)
+    config = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, fx.dtype))
+    gen = torch.Generator().manual_seed(SEED + 1)
+    dtype = getattr(torch, fx.dtype)
+    with torch.no_grad():
+        for block in moe_blocks(model, cfg).values():
+            # Routers with well separated logits (std ~2), so that a re-implementation picks the same experts.
+            # Values exact in the model dtype: DeepSeek keeps its router in float32 on disk while the tools run
+            # it in the model dtype, and a rounded router could flip a near tie between the two.
+            w = block.gate.weight
+            w.copy_((torch.randn(w.shape, generator=gen) * (2.0 / HIDDEN ** 0.5)).to(dtype).to(w.dtype))
+            bias = getattr(block.gate, "e_score_correction_bias", None)
+            if bias is not None:  # DeepSeek-V3: a non-zero score correction bias, so its use is tested
+                bias.copy_((torch.rand(bias.shape, generator=gen) * 0.2).to(dtype).to(bias.dtype))
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return cfg
+
+
+def calibration(n: int = CALIB_SEQUENCES, length: int = CALIB_LENGTH):
+    rng = np.random.default_rng(SEED + 2)
+    ids = rng.integers(4, VOCAB, size=(n, length))
+    return [{"input_ids": row.tolist(), "attention_mask": [1] * length} for row in ids]
+
+
+def block_input(fx: Fixture):
+    import torch
+    rng = np.random.default_rng(SEED + 3)
+    return torch.from_numpy(rng.standard_normal((M_TOKENS, HIDDEN)).astype(np.float32)).to(getattr(torch, fx.dtype))
+
+
+def to_numpy(t):
+    """float16 stays float16; bfloat16 (which NumPy lacks) becomes float32, exactly."""
+    import torch
+    return t.numpy() if t.dtype == torch.float16 else t.float().numpy()
+
+
+# --------------------------------------------------------------------------- running one MoE block
+
+
+def run_block(block, x):
+    """The block's output [M, H] for x [M, H], plus what its router chose (as float32/int64 NumPy)."""
+    import torch
+    with torch.no_grad():
+        y = block(x[None])
+        if isinstance(y, tuple):
+            y = y[0]
+        gate_out = block.gate(x)
+    out = {"y": to_numpy(y.reshape(x.shape))}
+    if isinstance(gate_out, tuple):  # transformers 5 routers: (logits, topk weights, topk ids)
+        logits, weights, ids = gate_out[:3]
+        out.update(router_logits=logits.float().numpy(), topk_weights=weights.float().numpy(),
+                   topk_ids=ids.numpy().astype(np.int64))
+    else:  # a plain linear router: logits only
+        out["router_logits"] = gate_out.float().numpy()
+    return out
+
+
+def _versions(tool: str) -> dict:
+    import torch
+    import transformers
+    out = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "numpy": np.__version__}
+    from importlib.metadata import version, PackageNotFoundError
+    for pkg in ("gptqmodel", "defuser", "llmcompressor", "compressed-tensors", "safetensors", "tokenizers"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    out["tool"] = tool
+    return out
+
+
+def write_sidecars(fx: Fixture, folder: Path, x, result: dict, dequant: dict, quant_config: dict, cfg: dict,
+                   notes: list):
+    arrays = {"x": to_numpy(x), "layer": np.int64(fx.layer), **result}
+    arrays.update({k: v.astype(np.float16) for k, v in dequant.items()})
+    np.savez_compressed(folder / "io.npz", **arrays)
+    info = {"fixture": dataclasses.asdict(fx), "versions": _versions(fx.tool), "model_config": cfg,
+            "quantize_config": quant_config, "seed": SEED,
+            "calibration": {"sequences": CALIB_SEQUENCES, "length": CALIB_LENGTH, "tokens": "uniform random ids"},
+            "io_npz": {k: [str(v.dtype), list(np.shape(v))] for k, v in arrays.items()}, "notes": notes}
+    (folder / "versions.json").write_text(json.dumps(info, indent=1, default=str) + "\n")
+
+
+def dequantized_weights(block) -> dict:
+    """The tool's dequantized weights of one MoE block as {"experts.{proj}": [E, K, N], "<module>": [K, N]}.
+
+    Quantized linear modules (GPTQModel) are dequantized by the tool; transformers' fused experts
+    (gate_up_proj [E, 2I, H], down_proj [E, H, I], as compressed-tensors decompresses them on load) are split.
+    """
+    import torch
+    out = {}
+    with torch.no_grad():
+        for name, mod in block.named_modules():
+            if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight"):
+                w = mod.dequantize_weight().float().numpy()
+                out[name] = w if w.shape == (mod.in_features, mod.out_features) else w.T
+            elif isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter) and mod.gate_up_proj.ndim == 3:
+                gu = mod.gate_up_proj.float().numpy()
+                i = gu.shape[1] // 2
+                out[f"{name}.gate_proj"] = gu[:, :i].transpose(0, 2, 1)
+                out[f"{name}.up_proj"] = gu[:, i:].transpose(0, 2, 1)
+                out[f"{name}.down_proj"] = mod.down_proj.float().numpy().transpose(0, 2, 1)
+            elif isinstance(mod, torch.nn.Linear) and hasattr(mod, "weight_packed"):
+                raise ValueError(f"{name}: still compressed after loading; expected decompressed weights")
+            elif isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in ("gate_proj", "up_proj", "down_proj"):
+                out[name] = mod.weight.float().numpy().T
+    return _stack(out)
+
+
+def check_dequantized(x, io: dict, shared_gate=None) -> float:
+    """Relative error of io["y"] recomputed in float32 from the dequantized weights and the tool's routing.
+
+    A self-check of a fixture (NumPy only): the saved weights, routing and y must agree up to the tool's half
+    precision arithmetic. x [M, H]; io: the io.npz arrays; shared_gate: the Qwen2-MoE shared expert gate [1, H]
+    or None. Returns max|y - y_check| / max|y|.
+    """
+    xf = np.asarray(x, np.float32)
+    silu = lambda v: v / (1.0 + np.exp(-v))
+    dq = {k: np.asarray(v, np.float32) for k, v in io.items() if k.endswith("_proj")}
+    y = np.zeros_like(xf)
+    for m in range(xf.shape[0]):
+        for e, w in zip(io["topk_ids"][m], io["topk_weights"][m]):
+            h = silu(xf[m] @ dq["experts.gate_proj"][e]) * (xf[m] @ dq["experts.up_proj"][e])
+            y[m] += w * (h @ dq["experts.down_proj"][e])
+    for prefix in ("shared_expert", "shared_experts"):
+        if f"{prefix}.down_proj" in dq:
+            shared = (silu(xf @ dq[f"{prefix}.gate_proj"]) * (xf @ dq[f"{prefix}.up_proj"])) @ dq[f"{prefix}.down_proj"]
+            if shared_gate is not None:
+                shared = shared / (1.0 + np.exp(-(xf @ np.asarray(shared_gate, np.float32).T)))
+            y += shared
+    ref = np.asarray(io["y"], np.float32)
+    return float(np.abs(ref - y).max() / np.abs(ref).max())
+
+
+def _self_check(x, result: dict, dequant: dict, block) -> float:
+    sgate = getattr(block, "shared_expert_gate", None)
+    return check_dequantized(to_numpy(x), {**result, **dequant},
+                             None if sgate is None else sgate.weight.detach().float().numpy())
+
+
+def _stack(per_expert: dict) -> dict:
+    """{"experts.{e}.{proj}": [K, N]} -> {"experts.{proj}": [E, K, N]} (others unchanged)."""
+    out, grouped = {}, {}
+    for name, w in per_expert.items():
+        parts = name.split(".")
+        if parts[0] == "experts" and len(parts) == 3 and parts[1].isdigit():
+            grouped.setdefault(parts[2], {})[int(parts[1])] = w
+        else:
+            out[name] = w
+    for proj, d in grouped.items():
+        out[f"experts.{proj}"] = np.stack([d[e] for e in sorted(d)])
+    return out
+
+
+# --------------------------------------------------------------------------- GPTQModel
+
+
+def make_gptqmodel(fx: Fixture, work: Path, dest: Path):
+    import torch
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(min(2, os.cpu_count() or 1)))
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    src = work / "float"
+    cfg = build_model(fx, src)
+    kw = dict(bits=fx.bits, group_size=fx.group_size, sym=fx.sym, desc_act=fx.desc_act)
+    if fx.desc_act:
+        kw["act_group_aware"] = False  # otherwise GPTQModel writes a group-ordered g_idx, not a permutation
+    qcfg = QuantizeConfig(**kw)
+    torch.manual_seed(SEED)
+    dtype = getattr(torch, fx.dtype)
+    model = GPTQModel.load(str(src), qcfg, device="cpu", dtype=dtype)
+    model.quantize(calibration(), batch_size=4)
+    save_kw = {"max_shard_size": f"{fx.shard_kb}KB"} if fx.shard_kb else {}
+    model.save(str(dest), **save_kw)
+    del model
+
+    qmodel = GPTQModel.load(str(dest), device="cpu", backend=BACKEND.TORCH, dtype=dtype)
+    hf = qmodel.model
+    block = moe_blocks(hf, cfg)[fx.layer]
+    x = block_input(fx)
+    result = run_block(block, x)
+    dequant = dequantized_weights(block)
+    err = _self_check(x, result, dequant, block)
+    with open(dest / "quantize_config.json") as fh:
+        saved_qcfg = json.load(fh)
+    notes = [f"y = model.model.layers[{fx.layer}].mlp(x[None]) of GPTQModel.load(..., backend=BACKEND.TORCH)",
+             f"y recomputed in float32 from the dequantized weights and topk_ids/topk_weights: max rel err {err:.2e}"]
+    write_sidecars(fx, dest, x, result, dequant, {"QuantizeConfig(...)": kw, "saved": saved_qcfg}, cfg, notes)
+    return err
+
+
+# --------------------------------------------------------------------------- llm-compressor
+
+
+def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
+    import torch
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from transformers import AutoModelForCausalLM
+    src = work / "float"
+    cfg = build_model(fx, src)
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=getattr(torch, fx.dtype))
+    scheme = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": fx.bits, "type": "int", "symmetric": fx.sym, "strategy": "group",
+                    "group_size": fx.group_size, "actorder": fx.actorder},
+    }
+    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head", "re:.*mlp.gate$",
+                                                                      "re:.*shared_expert_gate$"])
+    ds = Dataset.from_list(calibration())
+    torch.manual_seed(SEED)
+    oneshot(model=model, dataset=ds, recipe=recipe, num_calibration_samples=CALIB_SEQUENCES,
+            max_seq_length=CALIB_LENGTH, output_dir=None)
+    model.save_pretrained(dest, save_compressed=True)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(src).save_pretrained(dest)
+    del model
+
+    qmodel = AutoModelForCausalLM.from_pretrained(dest, dtype=getattr(torch, fx.dtype))
+    block = moe_blocks(qmodel, cfg)[fx.layer]
+    x = block_input(fx)
+    result = run_block(block, x)
+    dequant = dequantized_weights(block)
+    err = _self_check(x, result, dequant, block)
+    saved = json.loads((dest / "config.json").read_text()).get("quantization_config")
+    notes = [f"y = model.model.layers[{fx.layer}].mlp(x[None]) of AutoModelForCausalLM.from_pretrained(folder) "
+             f"(compressed-tensors decompresses the weights on load)",
+             f"y recomputed in float32 from the dequantized weights and topk_ids/topk_weights: max rel err {err:.2e}"]
+    write_sidecars(fx, dest, x, result, dequant, {"GPTQModifier.config_groups": scheme, "saved": saved}, cfg, notes)
+    return err
+
+
+MAKERS = {"gptqmodel": make_gptqmodel, "llmcompressor": make_llmcompressor}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="*", help="fixture names (default: every fixture whose tool is installed)")
+    p.add_argument("--out", type=Path, default=OUT, help=f"output folder (default {OUT})")
+    p.add_argument("--keep-work", action="store_true", help="keep the float model and scratch files")
+    p.add_argument("--list", action="store_true", help="list the fixtures and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for fx in FIXTURES:
+            print(f"{fx.name:45s} {fx.tool}")
+        return 0
+    known = {fx.name: fx for fx in FIXTURES}
+    if args.only:
+        bad = [n for n in args.only if n not in known]
+        if bad:
+            p.error(f"--only: unknown fixture(s) {bad}; known: {list(known)}")
+        todo = [known[n] for n in args.only]
+    else:
+        todo = [fx for fx in FIXTURES if importlib.util.find_spec(fx.tool) is not None]
+        if not todo:
+            p.error("neither gptqmodel nor llmcompressor is importable here")
+    for fx in todo:
+        dest = args.out / fx.name
+        if dest.exists():
+            shutil.rmtree(dest)
+        work = Path(tempfile.mkdtemp(prefix=f"fixture-{fx.name}-"))
+        print(f"== {fx.name} ({fx.tool}) -> {dest}", flush=True)
+        try:
+            err = MAKERS[fx.tool](fx, work, dest)
+        finally:
+            if not args.keep_work:
+                shutil.rmtree(work, ignore_errors=True)
+        size = sum(f.stat().st_size for f in dest.rglob("*") if f.is_file())
+        print(f"   {size / 1e6:.2f} MB, self-check rel err {err:.2e}: {sorted(f.name for f in dest.iterdir())}",
+              flush=True)
+        if not err < 2e-2:
+            raise SystemExit(f"{fx.name}: y recomputed from the dequantized weights differs from the tool's y by "
+                             f"{err:.2e} (relative to max|y|); the fixture is inconsistent")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
