@@ -136,7 +136,7 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
         "compressed-tensors" (pack-quantized, bits 4/8: weight_packed [N, K*bits/32], weight_scale [N, R],
         weight_zero_point [N*bits/32, R] when asym, weight_g_idx with desc_act (actorder "group"),
         weight_shape; the config goes into config.json only, as llm-compressor writes it).
-    naming: which of the family's namings (checkpoint.naming.NAMINGS) to write, e.g. "mlp" for Mixtral as
+    naming: which of the family's namings (checkpoint.naming.NAMINGS) to write, e.g. "mlp.gate_proj" for Mixtral as
         GPTQModel on transformers 5 saves it; default the family's first.
     scales_dtype: "float16", "bfloat16" or "float32". dense_dtype: dtype of dense tensors (router, excluded
         modules): "float16", "bfloat16" or "float32".

@@ -1,8 +1,9 @@
 """Where each model family keeps one MoE layer's tensors (NamingScheme), and which naming a checkpoint uses.
 
 A family is recognized from config.json (`model_type`, else `architectures`); its naming from the tensor names,
-among the namings real checkpoints of that family use (NAMINGS: Mixtral has two, `block_sparse_moe.experts.E.w1`
-from transformers 4 and `mlp.experts.E.gate_proj` from GPTQModel on transformers 5). Without a config.json the
+among the namings real checkpoints of that family use (NAMINGS: Mixtral has three, `block_sparse_moe.experts.E.w1`
+from transformers 4, `mlp.experts.E.gate_proj` from GPTQModel 7 and `block_sparse_moe.experts.E.gate_proj` from
+llm-compressor, both on transformers 5). Without a config.json the
 tensor names alone decide. Adding a family or a naming is adding entries here: a NamingScheme in NAMINGS and the
 family's config labels in _MODEL_TYPES and _ARCHITECTURES (its routing defaults live in routing.py). The loader
 reads every name through the NamingScheme, so it needs no change.
@@ -121,7 +122,8 @@ _MIXTRAL_CONFIG = dict(num_experts_key="num_local_experts", intermediate_size_ke
                        renormalize=True)
 # Every naming real checkpoints use, per family; a family's first entry is its default (SCHEMES).
 NAMINGS: tuple[NamingScheme, ...] = (
-    NamingScheme(family="mixtral", naming="block_sparse_moe",
+    # transformers 4 Mixtral (AutoGPTQ, GPTQModel < 7, most Hub repositories).
+    NamingScheme(family="mixtral", naming="block_sparse_moe.w1",
                  experts="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}", gate_proj="w1",
                  up_proj="w3", down_proj="w2", router="model.layers.{layer}.block_sparse_moe.gate", **_MIXTRAL_CONFIG),
     NamingScheme(family="qwen2_moe", experts="model.layers.{layer}.mlp.experts.{expert}.{proj}",
@@ -136,9 +138,13 @@ NAMINGS: tuple[NamingScheme, ...] = (
                  router="model.layers.{layer}.mlp.gate",
                  shared_experts="model.layers.{layer}.mlp.shared_experts.{proj}",
                  score_bias="model.layers.{layer}.mlp.gate.e_score_correction_bias", num_experts_key="n_routed_experts"),
-    # GPTQModel 7 on transformers 5 (which fuses Mixtral's experts) writes them back per expert under mlp.
-    NamingScheme(family="mixtral", naming="mlp", experts="model.layers.{layer}.mlp.experts.{expert}.{proj}",
+    # transformers 5 fuses Mixtral's experts; the tools write them back per expert with Llama-style proj names:
+    # GPTQModel 7 under mlp, llm-compressor (compressed-tensors) under block_sparse_moe.
+    NamingScheme(family="mixtral", naming="mlp.gate_proj", experts="model.layers.{layer}.mlp.experts.{expert}.{proj}",
                  router="model.layers.{layer}.mlp.gate", **_MIXTRAL_CONFIG),
+    NamingScheme(family="mixtral", naming="block_sparse_moe.gate_proj",
+                 experts="model.layers.{layer}.block_sparse_moe.experts.{expert}.{proj}",
+                 router="model.layers.{layer}.block_sparse_moe.gate", **_MIXTRAL_CONFIG),
 )
 SCHEMES: dict[str, NamingScheme] = {}  # family -> its default naming
 for _n in NAMINGS:
