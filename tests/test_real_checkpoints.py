@@ -4,9 +4,9 @@ Each fixture folder is what GPTQModel or llm-compressor saved for a tiny random 
 of one MoE block, the tool's own output y of that block, its routing (topk_ids, topk_weights) and its dequantized
 weights. We load the folder with `cupy_moe.load_moe_layer` and check, per fixture:
 
-- the dequantized expert (and shared expert) weights equal the tool's bit for bit where the tool dequantizes in
-  float16 (a float16 scale times a small integer, rounded once); a bfloat16 model's tool dequantizes in bfloat16
-  (its float16 scales rounded to bfloat16 first), so there each weight agrees to bfloat16's rounding (2**-8);
+- the dequantized expert (and shared expert) weights equal the tool's bit for bit: a float16 scale times a small
+  integer, rounded once to float16; for a bfloat16 model the tool rounds the float16 scales to bfloat16 first and
+  the product to bfloat16, and so do we before comparing;
 - the routing picks the tool's experts, with its weights;
 - the layer's output matches the tool's y within twice the bar of tests/tolerances.py: both are computations of
   the same exact result, each rounded at the same few points (expert GEMM outputs, activations, the sum) in the
@@ -48,19 +48,17 @@ def _rel_l2(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
 
 
-def _dequant(weight, e: int) -> np.ndarray:
-    return reference.dequantize(weight.qweight[e], weight.scales[e], None if weight.qzeros is None else weight.qzeros[e],
-                                None if weight.g_idx is None else weight.g_idx[e], bits=weight.bits,
-                                group_size=weight.group_size, checkpoint_format="gptq_v2")
-
-
-def _assert_weights(ours: np.ndarray, tool: np.ndarray, dtype: str, what: str):
-    """ours float32 [K, N] from the loaded stack; tool: the tool's dequantized weight (saved as float16)."""
-    assert ours.shape == tool.shape, what
-    if dtype == "float16":
-        np.testing.assert_array_equal(ours.astype(np.float16), tool, err_msg=what)
-    else:  # the tool rounded its float16 scale and the product to bfloat16: 2 roundings of 2**-9 each
-        np.testing.assert_allclose(ours, tool.astype(np.float32), rtol=2.0 ** -8, atol=1e-6, err_msg=what)
+def _dequant(weight, e: int, dtype: str = "float16") -> np.ndarray:
+    """Expert e of a loaded stack dequantized as a tool does in `dtype`: scale (rounded to dtype) times (q - z),
+    rounded to dtype; returned as float16 (what io.npz holds), or float32 from "float32"."""
+    scales = weight.scales[e]
+    if dtype == "bfloat16":
+        import ml_dtypes
+        scales = scales.astype(ml_dtypes.bfloat16)
+    w = reference.dequantize(weight.qweight[e], scales, None if weight.qzeros is None else weight.qzeros[e],
+                             None if weight.g_idx is None else weight.g_idx[e], bits=weight.bits,
+                             group_size=weight.group_size, checkpoint_format="gptq_v2")  # exact in float32
+    return w if dtype == "float32" else w.astype(scales.dtype).astype(np.float16)
 
 
 def test_fixtures_are_present():
@@ -71,23 +69,24 @@ def test_fixtures_are_present():
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=lambda p: p.name)
 def test_weights_match_the_tools_dequantization(folder):
+    """Bit for bit: the tool's float16 weights, or its bfloat16 ones (float16 scales rounded to bfloat16 first)."""
     io, dtype, _ = _fixture(folder)
     w = cupy_moe.load_moe_layer(folder, int(io["layer"]), device=False).weights
     i = w.intermediate_size
     for e in range(w.num_experts):
-        w13, w2 = _dequant(w.w13, e), _dequant(w.w2, e)
-        _assert_weights(w13[:, :i], io["experts.gate_proj"][e], dtype, f"expert {e} gate")
-        _assert_weights(w13[:, i:], io["experts.up_proj"][e], dtype, f"expert {e} up")
-        _assert_weights(w2, io["experts.down_proj"][e], dtype, f"expert {e} down")
+        w13, w2 = _dequant(w.w13, e, dtype), _dequant(w.w2, e, dtype)
+        np.testing.assert_array_equal(w13[:, :i], io["experts.gate_proj"][e], f"expert {e} gate")
+        np.testing.assert_array_equal(w13[:, i:], io["experts.up_proj"][e], f"expert {e} up")
+        np.testing.assert_array_equal(w2, io["experts.down_proj"][e], f"expert {e} down")
     shared = [k for k in io if k.startswith("shared_expert") and k.endswith("down_proj")]
     assert (w.shared is not None) == bool(shared)
     if shared:
         prefix = shared[0].rsplit(".", 1)[0]
         i_s = w.shared.intermediate_size
-        gu = _dequant(w.shared.gate_up, 0)
-        _assert_weights(gu[:, :i_s], io[f"{prefix}.gate_proj"], dtype, "shared gate")
-        _assert_weights(gu[:, i_s:], io[f"{prefix}.up_proj"], dtype, "shared up")
-        _assert_weights(_dequant(w.shared.down, 0), io[f"{prefix}.down_proj"], dtype, "shared down")
+        gu = _dequant(w.shared.gate_up, 0, dtype)
+        np.testing.assert_array_equal(gu[:, :i_s], io[f"{prefix}.gate_proj"], "shared gate")
+        np.testing.assert_array_equal(gu[:, i_s:], io[f"{prefix}.up_proj"], "shared up")
+        np.testing.assert_array_equal(_dequant(w.shared.down, 0, dtype), io[f"{prefix}.down_proj"], "shared down")
 
 
 @pytest.mark.parametrize("folder", FIXTURES, ids=lambda p: p.name)
