@@ -18,17 +18,17 @@ __all__ = ["Checkpoint", "Module"]
 class Checkpoint:
     """An open checkpoint folder: configs, naming scheme, tensor index and lazily opened files."""
 
-    def __init__(self, path, scheme: NamingScheme | None = None):
+    def __init__(self, path, scheme: NamingScheme | None = None, lenient: bool = False):
         folder = Path(path)
         if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: checkpoint folder not found")
+            raise FileNotFoundError(f"{folder}: checkpoint folder not found{_hint(path, folder)}")
         self.folder = folder
         cfg_path = folder / "config.json"
         self.config = read_json(cfg_path) if cfg_path.exists() else None
         if self.config is not None and not isinstance(self.config, dict):
             raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         self.quant = find_quant_config(folder, self.config)
-        self.index = TensorIndex(folder)
+        self.index = TensorIndex(folder, lenient)
         try:
             self.scheme = scheme if scheme is not None else detect_scheme(self.config, self.index.names(), self.folder)
             if not isinstance(self.scheme, NamingScheme):
@@ -148,6 +148,18 @@ class Checkpoint:
             return Module(name, None, weight, rule or "only '.weight' in the checkpoint")
         raise ValueError(f"module '{name}': neither '{qname}' (quantized) nor '{name}.weight' (dense) is in "
                          f"the checkpoint ({self.index.source})")
+
+
+def _hint(path, folder: Path) -> str:
+    """What a user who passed the wrong thing probably meant."""
+    if folder.is_file():
+        return f" ('{folder}' is a file: pass the folder that holds it, '{folder.parent}')"
+    text = str(path)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith("."):
+        return (f" ('{text}' looks like a Hugging Face repository id: download it first, e.g. "
+                f"`hf download {text} --local-dir DIR` or `huggingface-cli download {text} --local-dir DIR`, "
+                f"then pass DIR)")
+    return ""
 
 
 @dataclass

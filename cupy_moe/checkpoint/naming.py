@@ -10,6 +10,7 @@ reads every name through the NamingScheme, so it needs no change.
 """
 from __future__ import annotations
 
+import functools
 import re
 import string
 from dataclasses import dataclass
@@ -97,25 +98,41 @@ class NamingScheme:
 
 
 
+    def _pattern(self, fmt: str, tail: str) -> re.Pattern:
+        """`fmt` over any layer/expert/proj as a regex of whole names (one per line of a joined list), + tail."""
+        out = []
+        for literal, field, _, _ in string.Formatter().parse(fmt):
+            out.append(re.escape(literal))
+            if field in ("layer", "expert"):
+                out.append(r"\d+")
+            elif field == "proj":
+                out.append("(?:" + "|".join(re.escape(p) for p in (self.gate_proj, self.up_proj,
+                                                                   self.down_proj)) + ")")
+        return re.compile("^" + "".join(out) + tail + "$", re.M)
+
     def features(self) -> dict[str, re.Pattern]:
         """What identifies this naming among tensor names, any layer: {"experts": ..., "shared_experts": ...,
         "score_bias": ...} (the ones it has), each a pattern matching whole names in a newline-joined list."""
-        def pattern(fmt: str, projs: bool) -> re.Pattern:
-            out = []
-            for literal, field, _, _ in string.Formatter().parse(fmt):
-                out.append(re.escape(literal))
-                if field in ("layer", "expert"):
-                    out.append(r"\d+")
-                elif field == "proj":
-                    out.append("(?:" + "|".join(re.escape(p) for p in (self.gate_proj, self.up_proj,
-                                                                       self.down_proj)) + ")")
-            return re.compile("^" + "".join(out) + (r"\.[^.\n]+$" if projs else "$"), re.M)
-        found = {"experts": pattern(self.experts, True)}
+        found = {"experts": self._pattern(self.experts, r"\.[^.\n]+")}
         if self.shared_experts:
-            found["shared_experts"] = pattern(self.shared_experts, True)
+            found["shared_experts"] = self._pattern(self.shared_experts, r"\.[^.\n]+")
         if self.score_bias:
-            found["score_bias"] = pattern(self.score_bias, False)
+            found["score_bias"] = self._pattern(self.score_bias, "")
         return found
+
+    @functools.cached_property
+    def _role_patterns(self) -> list:
+        feats = self.features()
+        roles = [("experts", feats["experts"]), ("router", self._pattern(self.router, r"\.[^.\n]+"))]
+        roles += [("router", feats["score_bias"])] if "score_bias" in feats else []
+        roles += [("shared", feats["shared_experts"])] if "shared_experts" in feats else []
+        if self.shared_expert_gate:
+            roles.append(("shared", self._pattern(self.shared_expert_gate, r"\.[^.\n]+")))
+        return roles
+
+    def role(self, name: str) -> str:
+        """"experts", "router", "shared" or "other": what a tensor of this naming is part of."""
+        return next((role for role, pattern in self._role_patterns if pattern.match(name)), "other")
 
 
 _MIXTRAL_CONFIG = dict(num_experts_key="num_local_experts", intermediate_size_key="intermediate_size",

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .naming import NamingScheme
 
-__all__ = ["DEFAULTS", "resolve", "describe_source"]
+__all__ = ["DEFAULTS", "resolve", "check", "describe_source"]
 
 # family -> {setting: default when config.json lacks the key}. "renormalize" reads config `norm_topk_prob`.
 DEFAULTS: dict[str, dict] = {
@@ -50,13 +50,13 @@ def _bad(name: str, value, source: str, expected: str):
     raise ValueError(f"{source} {name}={value!r}: expected {expected}")
 
 
-def resolve(config: dict | None, scheme: NamingScheme, num_experts: int | None) -> dict:
+def resolve(config: dict | None, scheme: NamingScheme, num_experts: int | None, validate: bool = True) -> dict:
     """Every routing setting of a layer: {setting: (value, source, key)}.
 
     source: "config" (read from config.json under `key`), "default" (the family's default; `key` is the config
     key that was absent), "always" (the family ignores the config, e.g. Mixtral's renormalization) or "scheme"
     (forced by a custom NamingScheme). num_experts: E, to check the group settings (None skips that check).
-    Raises ValueError for values transformers would not run, naming the setting and where it came from.
+    validate: raise ValueError (see `check`) for values transformers would not run.
     """
     cfg = config or {}
     family = scheme.family
@@ -78,11 +78,13 @@ def resolve(config: dict | None, scheme: NamingScheme, num_experts: int | None) 
         else:
             out[name] = (default, "default", key)
     out["hidden_act"] = (cfg.get("hidden_act", "silu"), "config" if "hidden_act" in cfg else "default", "hidden_act")
-    _check(out, family, num_experts)
+    if validate:
+        check(out, family, num_experts)
     return out
 
 
-def _check(out: dict, family: str, num_experts: int | None):
+def check(out: dict, family: str, num_experts: int | None):
+    """ValueError naming the setting and where it came from when a resolved setting cannot be run."""
     def where(name):
         value, source, key = out[name]
         return describe_source(source, key, family) + ":"
