@@ -46,10 +46,6 @@ def describe_source(source: str, key: str | None, family: str) -> str:
     return f"default for {family} (config.json has no {key})"
 
 
-def _bad(name: str, value, source: str, expected: str):
-    raise ValueError(f"{source} {name}={value!r}: expected {expected}")
-
-
 def resolve(config: dict | None, scheme: NamingScheme, num_experts: int | None, validate: bool = True) -> dict:
     """Every routing setting of a layer: {setting: (value, source, key)}.
 
@@ -85,31 +81,33 @@ def resolve(config: dict | None, scheme: NamingScheme, num_experts: int | None, 
 
 def check(out: dict, family: str, num_experts: int | None):
     """ValueError naming the setting and where it came from when a resolved setting cannot be run."""
-    def where(name):
+    def bad(name: str, expected: str):
         value, source, key = out[name]
-        return describe_source(source, key, family) + ":"
+        said = (f"config.json {key}={value!r}" if source == "config"
+                else f"{key}={value!r}, the {describe_source(source, key, family)}")
+        raise ValueError(f"{said}: expected {expected}")
 
     top_k = out["top_k"][0]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        _bad("num_experts_per_tok", top_k, where("top_k"), "a positive int (experts per token)")
+        bad("top_k", "a positive int (experts per token)")
     if num_experts is not None and top_k > num_experts:
-        _bad("num_experts_per_tok", top_k, where("top_k"), f"at most E={num_experts} experts")
+        bad("top_k", f"at most E={num_experts} experts")
     if out["scoring_func"][0] not in ("softmax", "sigmoid"):
-        _bad("scoring_func", out["scoring_func"][0], where("scoring_func"), "'softmax' or 'sigmoid'")
+        bad("scoring_func", "'softmax' or 'sigmoid'")
     if out["topk_method"][0] not in _METHODS:
-        _bad("topk_method", out["topk_method"][0], where("topk_method"), " or ".join(repr(m) for m in _METHODS))
+        bad("topk_method", " or ".join(repr(m) for m in _METHODS))
     if not isinstance(out["renormalize"][0], bool):
-        _bad("norm_topk_prob", out["renormalize"][0], where("renormalize"), "true or false")
+        bad("renormalize", "true or false")
     rsf = out["routed_scaling_factor"][0]
     if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not rsf > 0:
-        _bad("routed_scaling_factor", rsf, where("routed_scaling_factor"), "a positive number")
+        bad("routed_scaling_factor", "a positive number")
     if out["topk_method"][0] == "greedy":
         return
     n_group, topk_group = out["n_group"][0], out["topk_group"][0]
     for name, value in (("n_group", n_group), ("topk_group", topk_group)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            _bad(name, value, where(name), f"a positive int (topk_method {out['topk_method'][0]!r} groups experts)")
+            bad(name, f"a positive int (topk_method {out['topk_method'][0]!r} groups the experts)")
     if topk_group > n_group:
-        _bad("topk_group", topk_group, where("topk_group"), f"at most n_group={n_group}")
+        bad("topk_group", f"at most n_group={n_group}")
     if num_experts is not None and num_experts % n_group:
-        _bad("n_group", n_group, where("n_group"), f"a divisor of the E={num_experts} experts")
+        bad("n_group", f"a divisor of the E={num_experts} experts")
