@@ -7,7 +7,7 @@ I expert intermediate size, P = M * A (token, expert) pairs.
 from . import reference
 from .align import moe_align_block_size
 from .checkpoint import inspect_checkpoint
-from .gemm import fused_moe_gemm
+from .gemm import SplitKWorkspace, fused_moe_gemm
 from .layer import MoELayer, fused_moe, load_moe_layer, load_moe_model, select_experts
 from .weights import StackedGptqWeight
 from ._xp import gpu_available
@@ -18,6 +18,7 @@ __all__ = [
     "StackedGptqWeight",
     "moe_align_block_size",
     "fused_moe_gemm",
+    "SplitKWorkspace",
     "fused_moe",
     "select_experts",
     "MoELayer",

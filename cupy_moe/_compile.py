@@ -4,8 +4,9 @@ Nothing here touches CuPy or a GPU at import time, so `import cupy_moe` works an
 
 - `kernels_dir()` finds the CUDA sources: `cupy_moe/kernels` inside an installed wheel, else `<repo>/kernels`.
 - `get_kernel(filename, name_expression)` compiles `kernels/<filename>` for the current device on first use
-  (NVRTC through `cupy.RawModule`, `-std=c++17`, the kernels folder on the include path, a `#line` directive so
-  compiler errors name the .cu file and its own lines) and caches the kernel per device.
+  (NVRTC through `cupy.RawModule`, `-std=c++17`, the kernels folder on the include path for the shared .cuh
+  headers, a `#line` directive so compiler errors name the .cu file and its own lines) and caches the kernel per
+  device. The GEMM kernels live one family per file (configs.GemmConfig.source_file names it).
 - `launch(kernel, grid, block, args, shared_mem)` starts a kernel on the current stream; on compute capability 9.0
   and later with programmatic dependent launch (kernels/pdl.cuh), so that its launch overlaps the tail of the
   previous kernel of the stream (also inside a CUDA graph). CUPY_MOE_PDL=0 in the environment turns that off.
@@ -41,10 +42,10 @@ def kernels_dir() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _sources_digest() -> str:
-    """Hash of every kernel source and header: CuPy's disk cache keys on the main source and the options only,
-    so this goes into the options to make a changed header recompile."""
+    """Hash of every kernel source and header (kernels/*.cu, *.cuh): CuPy's disk cache keys on the main source and
+    the options only, so this goes into the options to make a changed header recompile."""
     h = hashlib.sha256()
-    for p in sorted(kernels_dir().glob("*.cu*")):
+    for p in sorted(p for p in kernels_dir().iterdir() if p.suffix in (".cu", ".cuh")):
         h.update(p.name.encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
@@ -60,9 +61,7 @@ def _source(filename: str) -> str:
 
 def _options(arch: str) -> tuple[str, ...]:
     # NVRTC takes the first --gpu-architecture it is given; CuPy appends its own (plain sm_XX) after ours.
-    opts = ("-std=c++17", f"-I{kernels_dir()}", f"--gpu-architecture={arch}", f"-DCUPY_MOE_SOURCES={_sources_digest()}")
-    probe = os.environ.get("CUPY_MOE_PROBE")  # measurement only (benchmarks/probe_kernels.py): results are wrong
-    return opts + (f"-DCUPY_MOE_PROBE={int(probe)}",) if probe else opts
+    return ("-std=c++17", f"-I{kernels_dir()}", f"--gpu-architecture={arch}", f"-DCUPY_MOE_SOURCES={_sources_digest()}")
 
 
 def device_arch(device_id: int | None = None) -> str:

@@ -1,7 +1,9 @@
 """fused_moe_gemm: one launch computes every (token, expert) pair of one MoE phase from raw stacked GPTQ weights.
 
-NumPy inputs run `cupy_moe.reference.fused_moe_gemm` (same signature); CuPy inputs run `kernels/moe_gemm.cu`.
-The launcher checks, allocates (the output only; the split-K workspace is allocated once and cached), launches.
+NumPy inputs run `cupy_moe.reference.fused_moe_gemm` (same signature); CuPy inputs run the kernel family of the
+configuration (`kernels/moe_gemm_decode.cu`, `moe_gemm_prefill.cu` or `moe_gemm_swapped.cu`: its source_file).
+The launcher checks, allocates (the output only; the split-K workspace is allocated once per stream and cached),
+launches the configuration it is given (`config=`, from `configs.choose_config`) or chooses one itself.
 """
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import numpy as np
 
 from . import _compile, configs
 from ._xp import is_device_array, require_gpu
+from .align import align_capacity
+from .weights import StackedGptqWeight
 
-__all__ = ["fused_moe_gemm"]
+__all__ = ["fused_moe_gemm", "SplitKWorkspace"]
 
-_FILE = "moe_gemm.cu"
 _WORKSPACES: dict = {}  # (device, stream) -> [partials float32, tickets int32]: grow-only, tickets kept at zero
 _SMEM_SET: dict = {}  # (kernel name, device) -> (RawKernel, dynamic shared-memory bytes already allowed for it)
 
@@ -45,17 +48,80 @@ def _workspace(cp, floats, ints):
     return ws
 
 
+def _geometry(config, k, n):
+    """(column tiles, split-K CTAs, 32-k chunks per slice) of one launch of `config` on K x N."""
+    chunks = k // 32
+    wk = config.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all
+    cps = -(-chunks // (config.split_k * wk))
+    cps = -(-cps // config.ku) * config.ku  # slices start on a stage boundary (group mode 1 relies on it)
+    split = -(-chunks // (cps * wk))  # no CTA without work (its last warps' slices may be empty)
+    return -(-n // config.block_n), split, cps
+
+
+class SplitKWorkspace:
+    """The scratch of split-K launches on one device: fp32 partial tiles and int32 tickets (zero between launches:
+    each tile's last CTA resets its ticket). Made once for the launches it serves and passed as
+    `fused_moe_gemm(..., workspace=)`, a call allocates nothing but its output; without one, a call uses a
+    workspace cached per device and stream, grown when a launch needs more. One workspace serves one stream at a
+    time."""
+
+    def __init__(self, partials: int, tickets: int):
+        cp = require_gpu("SplitKWorkspace")
+        self.partials = cp.empty(max(0, int(partials)), cp.float32)
+        self.tickets = cp.zeros(max(0, int(tickets)), cp.int32)
+
+    @staticmethod
+    def size(config, k: int, n: int, pairs: int, num_experts: int, one_pair: bool = False) -> tuple[int, int]:
+        """(partials, tickets) that one launch of `config` (a GemmConfig) on K x N needs for P = `pairs` pairs
+        aligned by moe_align_block_size over `num_experts` experts, or one pair per block (`one_pair`); (0, 0)
+        without split-K."""
+        n_tiles, split, _ = _geometry(config, k, n)
+        if split == 1 or pairs == 0:
+            return 0, 0
+        capacity = 16 * pairs if one_pair else align_capacity(pairs, config.block_m, num_experts)
+        return split * capacity * n, capacity // config.block_m * n_tiles
+
+    @classmethod
+    def for_launches(cls, sizes) -> "SplitKWorkspace":
+        """One workspace for launches of these `size(...)` results (run one after another on one stream)."""
+        sizes = list(sizes)
+        return cls(max((f for f, _ in sizes), default=0), max((t for _, t in sizes), default=0))
+
+
+def _check_config(config, block_m, act_order, pair_a, hopper):
+    """`config` (a GemmConfig) must be what runs on these inputs: its block size that of the aligned list, and a
+    kernel variant for act-order, pair order and the device (hopper None: not judged, the NumPy path)."""
+    if not isinstance(config, configs.GemmConfig):
+        _fail("config", "a GemmConfig (configs.choose_config(...)) or None", type(config).__name__, TypeError)
+    if config.block_m != block_m:
+        _fail("config", f"block_m = {block_m}, the block size of sorted_token_ids and expert_ids (align with "
+              "config.block_m)", f"block_m = {config.block_m}")
+    runs = configs.fallback(config, act_order=act_order, hopper=True if hopper is None else hopper, pair_a=pair_a)
+    if runs != config:
+        _fail("config", f"a shape with a kernel variant for act_order={act_order}, a_pair_order={pair_a}"
+              + ("" if hopper is None else f", hopper={hopper}")
+              + " (choose_config with the same flags gives one)", f"kind {config.kind!r} {config}")
+
+
+def _block_size(sorted_token_ids, expert_ids):
+    """B of a NumPy aligned list (16 for one pair per block), or None without blocks (the reference checks the
+    sizes)."""
+    blocks = int(np.size(expert_ids))
+    if not blocks:
+        return None
+    return 16 if sorted_token_ids is None else int(np.size(sorted_token_ids)) // blocks
+
+
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
-                   topk_weights=None, out=None, *, a_pair_order=False):
+                   topk_weights=None, out=None, *, a_pair_order=False, config=None, workspace=None):
     """out[p, :] = a[p // top_k, :] @ W[expert of p] (* topk_weights[p]), rounded once to a's dtype.
 
     a: float16 or bfloat16 [M, K] (NumPy input: any float dtype the reference takes).
-    weight: StackedGptqWeight on the device: qweight int32 [E, K*bits/32, N], scales float16 [E, ceil(K/G), N],
-        qzeros int32 [E, ceil(K/G), N*bits/32] real zeros or None (symmetric), g_idx int32 [E, K] or None;
-        bits 4 or 8; group_size G in {-1 or a multiple of 32}.
+    weight: StackedGptqWeight on the device (it validates its own arrays): bits 4 or 8, K and N multiples of 32,
+        group_size G -1 or a multiple of 32.
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
         `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 32, 64 or 128;
-        `configs.choose_config(...).block_m` says which to use). Never read on the host.
+        `config.block_m` of `configs.choose_config(...)` says which to use). Never read on the host.
         One pair per block instead: sorted_token_ids and num_tokens_post_padded None, expert_ids the pairs' expert
         ids themselves, int32 [P] or [M, top_k] (topk_ids). Every pair gets a 16-row block of its own, so no align
         launch is needed; the fast path for M = 1, wasteful when many pairs share an expert.
@@ -66,66 +132,54 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     a_pair_order: a's columns are in pair order (4-bit weights only): each run of 8 columns holds k0 k4 k1 k5 k2 k6
         k3 k7 of its run, the order in which the 4-bit dequantizer pairs codes, so the kernels need not re-pair
         them (`cupy_moe.reference.to_pair_order` makes it; fused_moe's down phase gets it from silu-and-mul).
+    config: the GemmConfig to launch (`configs.choose_config(...)` for this problem, aligned with its block_m), or
+        None: chosen here for the block size of the aligned list. A config that cannot run these inputs (another
+        block size, a kernel without an act-order or pair-order variant, the swapped kernel off sm_90a) is a
+        ValueError.
+    workspace: a SplitKWorkspace at least `SplitKWorkspace.size(config, ...)` large, so that the call allocates
+        nothing but `out`; None: one cached per device and stream. The results are the same either way.
     Returns out [P, N].
     A block whose expert id is outside [0, E) is skipped: its rows stay untouched (ids are not checked on the host,
     which would need a synchronization).
     """
     if not is_device_array(a):
         from . import reference
+        block_m = _block_size(sorted_token_ids, expert_ids)
+        if config is not None and block_m is not None:
+            _check_config(config, block_m, weight.g_idx is not None, bool(a_pair_order), None)
         return reference.fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
                                         topk_weights=topk_weights, out=out, a_pair_order=a_pair_order)
     cp = require_gpu("fused_moe_gemm on CuPy arrays")
-    # ---- check
+    # ---- check (the weight validated its own arrays when it was made; what is checked here is this launch's)
     if a.dtype == np.float16:
         bf16 = False
     elif a.dtype.name == "bfloat16":
         bf16 = True
     else:
         _fail("a", "float16 or bfloat16", a.dtype, TypeError)
-    if a.ndim != 2:
-        _fail("a", "2-D [M, K]", f"shape {a.shape}")
     _check_dev_array(cp, "a", a, a.dtype, 2, "[M, K]")
-    for field in ("qweight", "scales", "qzeros", "g_idx", "bits", "group_size"):
-        if not hasattr(weight, field):
-            _fail("weight", f"a StackedGptqWeight with .{field}", type(weight).__name__, TypeError)
-    bits = weight.bits
+    if not isinstance(weight, StackedGptqWeight):
+        _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
+    if not weight.is_device:
+        _fail("weight", "a StackedGptqWeight on the device (weight.to_device())", "NumPy arrays", TypeError)
+    if weight.qweight.device.id != cp.cuda.Device().id:
+        _fail("weight", f"arrays on the current device {cp.cuda.Device().id}", f"device {weight.qweight.device.id}")
+    bits, gs, e, k, n = weight.bits, weight.group_size, weight.num_experts, weight.k, weight.n
     if bits not in (4, 8):
         _fail("weight.bits", "4 or 8 (the kernel's dequantizers)", bits)
     if a_pair_order and bits != 4:
         _fail("a_pair_order", "False with 8-bit weights (pair order is the 4-bit dequantizer's)", a_pair_order)
-    qweight = _check_dev_array(cp, "weight.qweight", weight.qweight, np.int32, 3, "[E, K*bits/32, N]")
-    e, rows, n = qweight.shape
-    k = rows * 32 // bits
     m = a.shape[0]
     if a.shape[1] != k:
-        _fail("a", f"K = {k} columns (from weight.qweight {qweight.shape}, {bits}-bit)", f"shape {a.shape}")
+        _fail("a", f"K = {k} columns (from weight.qweight {weight.qweight.shape}, {bits}-bit)", f"shape {a.shape}")
     if k % 32:
         _fail("K", "a multiple of 32 (the kernel walks K in chunks of 32)", k)
     if n % 32:
         _fail("N", "a multiple of 32 (the kernel's column groups)", n)
-    if e < 1:
-        _fail("E", "at least one expert", e)
-    gs = weight.group_size
-    if not isinstance(gs, (int, np.integer)) or isinstance(gs, bool):
-        _fail("weight.group_size", "an int", type(gs).__name__, TypeError)
-    if gs != -1 and (gs <= 0 or gs % 32):
+    if gs != -1 and gs % 32:
         _fail("weight.group_size", "-1 or a positive multiple of 32 (a 32-wide K chunk stays inside one group)", gs)
-    group_len = k if gs == -1 else int(gs)
-    num_groups = -(-k // group_len)
-    scales = _check_dev_array(cp, "weight.scales", weight.scales, np.float16, 3, "[E, ceil(K/G), N]")
-    if scales.shape != (e, num_groups, n):
-        _fail("weight.scales", f"shape {(e, num_groups, n)} = [E, ceil(K/G), N]", scales.shape)
-    qzeros = weight.qzeros
-    if qzeros is not None:
-        _check_dev_array(cp, "weight.qzeros", qzeros, np.int32, 3, "[E, ceil(K/G), N*bits/32]")
-        if qzeros.shape != (e, num_groups, n * bits // 32):
-            _fail("weight.qzeros", f"shape {(e, num_groups, n * bits // 32)} = [E, ceil(K/G), N*bits/32]",
-                  qzeros.shape)
-    g_idx = weight.g_idx
-    if g_idx is not None:
-        _check_dev_array(cp, "weight.g_idx", g_idx, np.int32, 2, "[E, K]")
-        if g_idx.shape != (e, k):
-            _fail("weight.g_idx", f"shape {(e, k)} = [E, K]", g_idx.shape)
+    group_len, num_groups = weight.group_len, weight.num_groups
+    qweight, scales, qzeros, g_idx = weight.qweight, weight.scales, weight.qzeros, weight.g_idx
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
         _fail("top_k", "a positive int", repr(top_k), TypeError if not isinstance(top_k, (int, np.integer)) else
               ValueError)
@@ -174,28 +228,39 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
                     ("weight.qzeros", qzeros)):
         if x is not None and x.data.ptr % 16:
             _fail(name, "16-byte aligned data (the kernels move 16 bytes per access)", "a misaligned view")
+    act_order, pair_a = g_idx is not None, bool(a_pair_order)
+    if config is not None and not isinstance(config, configs.GemmConfig):
+        _fail("config", "a GemmConfig (configs.choose_config(...)) or None", type(config).__name__, TypeError)
+    if workspace is not None and not isinstance(workspace, SplitKWorkspace):
+        _fail("workspace", "a SplitKWorkspace or None", type(workspace).__name__, TypeError)
+    if block_m is not None:
+        gpu = configs.gpu_info()
+        if config is None:
+            config = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m, act_order=act_order, pair_a=pair_a,
+                                           gpu=gpu)
+        else:
+            _check_config(config, block_m, act_order, pair_a, gpu.hopper)
+        n_tiles, split, cps = _geometry(config, k, n)
+        partials = tickets = None
+        if split > 1 and workspace is not None:
+            partials, tickets = workspace.partials, workspace.tickets
+            if partials.size < split * capacity * n or tickets.size < blocks.size * n_tiles:
+                _fail("workspace", f"at least {split * capacity * n} partials and {blocks.size * n_tiles} tickets "
+                      "(SplitKWorkspace.size(config, ...))", f"{partials.size} and {tickets.size}")
+            if partials.device.id != cp.cuda.Device().id:
+                _fail("workspace", f"arrays on the current device {cp.cuda.Device().id}",
+                      f"device {partials.device.id}")
     # ---- allocate
     if out is None:
         out = cp.zeros((p, n), a.dtype)
     if block_m is None or p == 0 or n == 0:
         return out
-    hopper = configs.hopper_enabled(_compile.device_arch())
-    cfg = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m=block_m, hopper=hopper,
-                                act_order=g_idx is not None)
-    cfg, name, smem = configs.kernel_instance(cfg, bf16, bits, g_idx is not None, group_len, hopper, k,
-                                              pair_a=bool(a_pair_order))
-    n_tiles = -(-n // cfg.block_n)
-    chunks = k // 32
-    wk = cfg.warps_k  # K slices per CTA (moe_gemm's warps along K), so split * wk slices in all
-    cps = -(-chunks // (cfg.split_k * wk))
-    cps = -(-cps // cfg.ku) * cfg.ku  # slices start on a stage boundary (group mode 1 relies on it)
-    split = -(-chunks // (cps * wk))  # no CTA without work (its last warps' slices may be empty)
-    if split > 1:
+    if split > 1 and workspace is None:
         partials, tickets = _workspace(cp, split * capacity * n, blocks.size * n_tiles)
-    else:
-        partials = tickets = None
+    name = config.name_expression(bf16, bits, act_order, group_len, gpu.hopper, k, pair_a)
+    smem = config.smem_bytes(bits, gpu.hopper)
     # ---- launch
-    kern = _compile.get_kernel(_FILE, name)
+    kern = _compile.get_kernel(config.source_file, name)
     smem_key = (name, cp.cuda.Device().id)
     allowed = _SMEM_SET.get(smem_key)
     if smem and (allowed is None or allowed[0] is not kern or allowed[1] < smem):  # opt in above 48 KiB once
@@ -204,7 +269,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     i32 = np.int32
     null = np.uintp(0)  # a null pointer argument
     opt = lambda x: null if x is None else x
-    _compile.launch(kern, (blocks.size, n_tiles, split), (cfg.threads,),
+    _compile.launch(kern, (blocks.size, n_tiles, split), (config.threads,),
                     (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), opt(sorted_ids), blocks, opt(post),
                      out, opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k),
                      i32(p), i32(capacity), i32(split), i32(cps), i32(e)), smem)

@@ -154,25 +154,31 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
                          f"got {type(out).__name__} {getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
     if m == 0:
         return out
-    if m == 1 and topk_ids.dtype == np.int32:
-        # one token: its experts are distinct, so the aligned list would hold one pair per 16-row block anyway. The
-        # GEMMs take topk_ids as they are (one pair per block; repeated ids work too) and the align launch is saved.
+    # One configuration per phase, chosen here and passed down: what it says is what launches.
+    gpu = configs.gpu_info()
+    one_pair = m == 1 and topk_ids.dtype == np.int32
+    # one token: its experts are distinct, so the aligned list would hold one pair per 16-row block anyway. The
+    # GEMMs take topk_ids as they are (one pair per block; repeated ids work too) and the align launch is saved.
+    block_m = 16 if one_pair else None
+    up_plan = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, block_m=block_m,
+                                    act_order=w13.g_idx is not None, gpu=gpu)
+    down_plan = configs.choose_config(p, e, 1, i, h, w2.bits, w2.group_size, block_m=block_m,
+                                      act_order=w2.g_idx is not None, gpu=gpu)
+    # act in the 4-bit dequantizer's pair order on 16-row blocks (gemm.py); their shapes all read it
+    pair = configs.down_pair_order(w2.bits, down_plan.block_m)
+    if one_pair:
         aligned = None, cp.ascontiguousarray(topk_ids), None
-        block_m = down_block_m = 16  # what a one-pair block is
     else:
-        block_m = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size).block_m
-        down_block_m = configs.choose_config(p, e, 1, i, h, w2.bits, w2.group_size).block_m
-        aligned = moe_align_block_size(topk_ids, block_m, e)
+        aligned = moe_align_block_size(topk_ids, up_plan.block_m, e)
     # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
-    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cp.empty((p, 2 * i), dtype))
-    if down_block_m != block_m:  # the phases pick different block sizes: a second align launch (pair ids are shared)
-        aligned = moe_align_block_size(topk_ids, down_block_m, e)
+    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cp.empty((p, 2 * i), dtype), config=up_plan)
+    if down_plan.block_m != up_plan.block_m:  # another block size: a second align launch (pair ids are shared)
+        aligned = moe_align_block_size(topk_ids, down_plan.block_m, e)
     act = cp.empty((p, i), dtype)
-    pair = configs.down_pair_order(w2.bits, down_block_m)  # act in the 4-bit dequantizer's pair order (gemm.py)
     _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i), (_THREADS,),
                     (x1, act, np.int64(p), np.int32(i), np.int32(pair)))
     x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
-                        a_pair_order=pair)
+                        a_pair_order=pair, config=down_plan)
     _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}>"), _grid(m * h), (_THREADS,),
                     (x2, out, np.int64(m), np.int32(a), np.int32(h)))
     return out

@@ -1,7 +1,7 @@
 """GPU timing, written once: CUDA events around calls or around replays of a captured CUDA graph, medians after
 warm-up, and the two hardware floors measured the same way (copy bandwidth, fp16 matmul rate).
 
-Used by `tune`, the demo and the benchmarks. Every function needs CuPy and a GPU.
+Used by `tune`, the demo and the benchmarks. Every function but `roofline_target` needs CuPy and a GPU.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 
 from ._xp import require_gpu
 
-__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate"]
+__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "roofline_target"]
 
 
 def event_time(fn: Callable[[int], object], reps: int = 20, warmup: int = 3, stream=None) -> float:
@@ -70,3 +70,15 @@ def matmul_rate(size: int = 8192) -> float:
     b = cp.random.standard_normal((size, size)).astype(cp.float16)
     seconds = event_time(lambda i: cp.matmul(a, b), reps=10)
     return 2 * size**3 / seconds
+
+
+def roofline_target(m: int, traffic_floor: float, flop_floor: float) -> float | None:
+    """The time (seconds) a GEMM phase of M tokens should take at most, from its two floors (the bytes it must move
+    at the copy bandwidth, its FLOPs at the matmul rate), or None where no target is set (64 < M < 128):
+    M <= 64: traffic_floor / 0.85, or traffic_floor + 4 us where the floor is under 10 us; M >= 128:
+    max(traffic_floor, flop_floor) / 0.70."""
+    if m <= 64:
+        return traffic_floor + 4e-6 if traffic_floor < 10e-6 else traffic_floor / 0.85
+    if m >= 128:
+        return max(traffic_floor, flop_floor) / 0.70
+    return None

@@ -1,16 +1,16 @@
 """`python -m cupy_moe tune`: time the GEMM configurations on this GPU and keep the fastest.
 
-For each model shape (configs.MODEL_SHAPES), phase and token count M, every supported block_m and every split-K
-factor the kernel allows are timed on random 4-bit weights: one CUDA graph of 4 calls over different routings,
-replayed `reps` times, median per call (so Python's launch overhead and L2 residency stay out); the winner goes
-into the tuned-config cache (`configs.tuned_cache_path()`), which `choose_config` reads from then on. Only the
-speed changes: every configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed
-order), though two configurations may round differently.
+For each model shape (`cupy_moe.models`), phase and token count M, every supported block_m and every split-K factor
+the kernel allows are timed on random weights: `cupy_moe.timing.graph_time` over calls on different routings (so
+Python's launch overhead and L2 residency stay out). Each candidate is the configuration `choose_config` makes of a
+(block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the winners go into this GPU's tuned table in the
+user's cache (`configs.tuned`), which `choose_config` reads from then on. Only the speed changes: every
+configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed order), though two
+configurations may round differently.
 """
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 
@@ -18,6 +18,8 @@ from . import configs
 from ._xp import require_gpu
 from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
+from .models import BENCHMARK_MODELS, get_model
+from .timing import graph_time
 from .weights import StackedGptqWeight
 
 __all__ = ["tune"]
@@ -40,94 +42,73 @@ def _label(cfg):
     return f"{cfg.short_name} S={cfg.split_k}"
 
 
-def _graph_time(cp, stream, calls, reps):
-    """Median GPU seconds per call of `calls` (zero-argument launches), captured once in a CUDA graph and replayed:
-    Python's launch overhead stays out, as in benchmarks/bench_gemm.py."""
-    with stream:
-        for call in calls:  # warm-up: compiles the instance and sizes this stream's split-K workspace
-            call()
-        stream.synchronize()
-        stream.begin_capture()
-        try:
-            for call in calls:
-                call()
-        finally:
-            graph = stream.end_capture()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    samples = []
-    for _ in range(reps):
-        start.record(stream)
-        graph.launch(stream=stream)
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop) * 1e-3 / len(calls))
-    return float(np.median(samples))
-
-
 def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=128, reps=10, save=True,
          log=print) -> dict:
     """Measure and (when `save`) store the fastest configuration of every (model, phase, M) asked for.
 
-    models: names of configs.MODEL_SHAPES (default all). ms: token counts M >= 1. reps: graph replays per
-    candidate. Returns {tuning_key: entry}.
+    models: names of `cupy_moe.models.MODELS`, any case (default: BENCHMARK_MODELS). ms: token counts M >= 1.
+    bits: 4 or 8; group_size: -1 or a positive multiple of 32. reps: graph replays per candidate.
+    Returns {tuning_key: {"block_m", "split_k", "time_us"}}, the entries it saves to this GPU's table.
     """
+    shapes = [get_model(name) for name in (BENCHMARK_MODELS if models is None else models)]
     bad = [m for m in ms if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1]
     if bad:
         raise ValueError(f"ms: expected token counts M >= 1, got {bad}")
+    if bits not in (4, 8):
+        raise ValueError(f"bits: expected 4 or 8, got {bits!r}")
+    if group_size != -1 and (not isinstance(group_size, int) or group_size < 32 or group_size % 32):
+        raise ValueError(f"group_size: expected -1 or a positive multiple of 32, got {group_size!r}")
+    if isinstance(reps, bool) or not isinstance(reps, int) or reps < 1:
+        raise ValueError(f"reps: expected a positive int, got {reps!r}")
     cp = require_gpu("python -m cupy_moe tune")
-    gpu = configs._device_name()
-    table = configs.tuned_table(gpu)
+    gpu = configs.gpu_info()
     rng = np.random.default_rng(0)
     found = {}
     stream = cp.cuda.Stream(non_blocking=True)
-    for model in models or configs.MODEL_SHAPES:
-        if model not in configs.MODEL_SHAPES:
-            raise ValueError(f"models: expected names from {sorted(configs.MODEL_SHAPES)}, got {model!r}")
-        h, inter, e, a = configs.MODEL_SHAPES[model]
-        for phase, k, n in (("gate_up", h, 2 * inter), ("down", inter, h)):
+    for shape in shapes:
+        e, a = shape.num_experts, shape.top_k
+        for phase, (k, n, top_k) in shape.phases().items():
             weight = _random_weight(cp, e, k, n, bits, group_size, seed=len(found))
             for m in ms:
-                rows, top_k = (m, a) if phase == "gate_up" else (m * a, 1)
+                rows = m if phase == "gate_up" else m * a
                 # several routings per timing, so that L2 does not keep one routing's experts between calls
                 routings = [cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
                             for _ in range(ROTATIONS)]
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
-                table.pop(key, None)
-                with warnings.catch_warnings():  # the "no tuned config" note is expected here
-                    warnings.simplefilter("ignore")
-                    heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size)
-                candidates = {(heuristic.block_m, heuristic.split_k)}
-                for block_m in configs.SUPPORTED_BLOCK_M:
-                    max_split = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
-                    candidates.update((block_m, s) for s in SPLITS if s <= max_split)
-                # a stored (block_m, split_k) runs what choose_config makes of it (16-row splits of 2-4, say, all run
-                # one warps-along-K shape): each configuration is timed once, under the first entry that gives it
+                heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, gpu=gpu, tuned=False)
+                # a (block_m, split_k) entry runs what choose_config makes of it (16-row splits of 2-4, say, all
+                # run one warps-along-K shape): each configuration is timed once, under the first entry that gives it
                 runs = {}
-                for block_m, split in sorted(candidates):
-                    table[key] = {"block_m": block_m, "split_k": split}  # choose_config now returns it
-                    runs.setdefault(configs.choose_config(rows, e, top_k, k, n, bits, group_size), (block_m, split))
-                timings = {}
-                for cfg, (block_m, split) in runs.items():
-                    aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
+                for block_m in configs.SUPPORTED_BLOCK_M:
                     pair = phase == "down" and configs.down_pair_order(bits, block_m)  # as fused_moe's act
-                    calls = [lambda al=al: fused_moe_gemm(x, weight, *al, top_k, out=out, a_pair_order=pair)
+                    most = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
+                    unsplit = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
+                                                    pair_a=pair, split_k=1)
+                    rule = configs.split_k_estimate(unsplit, rows, e, top_k, k, n, gpu=gpu)  # the heuristic's split
+                    for split in sorted({s for s in SPLITS if s <= most} | {rule}):
+                        cfg = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
+                                                    pair_a=pair, split_k=split)
+                        runs.setdefault(cfg, (block_m, split, pair))
+                timings = {}
+                for cfg, (block_m, split, pair) in runs.items():
+                    aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
+                    calls = [lambda al=al, cfg=cfg, pair=pair: fused_moe_gemm(x, weight, *al, top_k, out=out,
+                                                                              a_pair_order=pair, config=cfg)
                              for al in aligned]
-                    table[key] = {"block_m": block_m, "split_k": split}
-                    timings[cfg] = _graph_time(cp, stream, calls, reps)
-                del table[key]
+                    timings[cfg] = graph_time(calls, reps=reps, stream=stream)
                 best_cfg, best = min(timings.items(), key=lambda kv: kv[1])
-                block_m, split = runs[best_cfg]
+                block_m, split, _ = runs[best_cfg]
                 base = timings.get(heuristic, float("nan"))
                 found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
                 per_block = {}  # the fastest configuration of each block_m
                 for cfg, t in sorted(timings.items(), key=lambda kv: kv[1]):
                     per_block.setdefault(cfg.block_m, f"{_label(cfg)}: {t * 1e6:.1f}")
-                log(f"{model:18s} {phase:7s} M={m:5d}  best {_label(best_cfg)} (block_m={block_m:3d} "
+                log(f"{shape.name:18s} {phase:7s} M={m:5d}  best {_label(best_cfg)} (block_m={block_m:3d} "
                     f"split_k={split:2d}) {best * 1e6:9.1f} us; the heuristic's {_label(heuristic)} {base * 1e6:9.1f} "
                     f"us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
             cp.get_default_memory_pool().free_all_blocks()
     if save and found:
-        log(f"saved {len(found)} configurations for {gpu} to {configs.save_tuned(gpu, found)}")
+        log(f"saved {len(found)} configurations for {gpu.name} to {configs.save_tuned(gpu.name, found)}")
     return found

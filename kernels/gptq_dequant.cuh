@@ -1,5 +1,6 @@
-// Register-level helpers for the GPTQ MoE GEMM: PTX wrappers (NVRTC ships no cuda_fp16.h, so no header is
-// needed), GPTQ dequantization into mma-ready half2/bf162 pairs, and the m16n8k16 tensor-core op.
+// Dequantization and register-level math of the GPTQ MoE GEMM kernels: PTX wrappers (NVRTC ships no cuda_fp16.h,
+// so no header is needed), GPTQ dequantization into mma-ready half2/bf162 pairs, and the m16n8k16 tensor-core op.
+// Copies into shared memory are in smem_pipeline.cuh, the Hopper-only ops in hopper.cuh.
 #pragma once
 
 namespace gptq {
@@ -13,39 +14,31 @@ __device__ __forceinline__ u32 and_or(u32 a, u32 b, u32 c) {
   return d;
 }
 
-// 16-byte global -> shared copy that bypasses registers and L1; `full` false zero-fills without reading.
-// dst: a shared-memory address (smem_u32) or a generic pointer into shared memory.
-__device__ __forceinline__ void cp_async16(unsigned dst, const void* gmem, bool full) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(full ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool full) {
-  cp_async16(static_cast<unsigned>(__cvta_generic_to_shared(smem)), gmem, full);
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
+// Byte permute in one PRMT: re-pairs activations and dequantized pairs, puts 8-bit codes under the fp16 magic number.
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) { return __byte_perm(a, b, sel); }
 
+// fp16x2 a - b (exact for the magic-number codes: q - z in one op).
 __device__ __forceinline__ u32 hsub2(u32 a, u32 b) {
   u32 d;
   asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 
+// fp16x2 a * b: the scale, one rounding per dequantized weight.
 __device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
   u32 d;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 
+// fp16x2 a * b + c: the 4-bit odd nibbles, taken in place (16 q), become q - z in one op (dequant8u).
 __device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
   u32 d;
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
   return d;
 }
 
+// bf16x2 a * b + c: 4-bit bf16 codes 128 + q become q - z in one op (exact), before the fp32 scaling.
 __device__ __forceinline__ u32 bf16_fma2(u32 a, u32 b, u32 c) {
   u32 d;
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
@@ -60,29 +53,14 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], unsigned smem_addr) {
                : "memory");
 }
 
-// The value, which the compiler then keeps in a register: without it, values derived from the thread index or the
-// shared-memory base are recomputed in the main loop (rematerialized) at a few instructions each time.
-__device__ __forceinline__ u32 kept(u32 x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
-// 16-byte shared-memory store at a 32-bit shared address (addresses computed with XOR, which a pointer cannot keep)
-__device__ __forceinline__ void st_shared16(unsigned addr, const uint4& v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
-__device__ __forceinline__ unsigned smem_u32(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
+// fp16 bits -> float: scales are stored as fp16 bits, and the fp32 sums of a group are scaled in float.
 __device__ __forceinline__ float half_bits_to_float(unsigned short h) {
   float f;
   asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
   return f;
 }
 
+// bf16 bits -> float: exact, a shift.
 __device__ __forceinline__ float bf16_bits_to_float(unsigned short h) { return __uint_as_float(u32(h) << 16); }
 
 // Two floats -> packed pair, lo in the low 16 bits; one rounding each (round to nearest even).
@@ -189,6 +167,7 @@ struct GroupConst {
   float sf, zf;
 };
 
+// A group's constants from its fp16 scale bits and zero, built once per group and column.
 template <bool kBf16>
 __device__ __forceinline__ GroupConst group_const(unsigned short s_bits, int z) {
   GroupConst c;
@@ -291,7 +270,7 @@ __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], con
   }
 }
 
-// ---- register A fragments of the swapped Hopper kernel (moe_gemm_ws): the weights are the wgmma M side --------
+// ---- register A fragments of the swapped Hopper kernel (moe_gemm_swapped): the weights are the wgmma M side ----
 // For one output column and one 32-k chunk, f[i] = the pair k (8i + 2t, 8i + 2t + 1) (t = lane % 4): f[0], f[1] are
 // the column's k 2t and 2t + 8 pairs of the chunk's first k16 step, f[2], f[3] those of the second. 4-bit: the pair
 // is byte t of word i (words = the chunk's 4 qweight rows); 8-bit: half (t & 1) of word 2i + (t >> 1) (8 rows).
@@ -301,11 +280,13 @@ __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], con
 // (1, 1/16) and (-(1024 + z), -(64 + z)) (zmix) gives (lo - z, hi - z) exactly.
 // qcol: the column's word of qweight row 0 in shared memory, rows `stride` words apart; sel: the PRMT selector of
 // the lane (frag_select).
+// The lane's PRMT selector for frag_chunk, computed once per thread.
 __device__ __forceinline__ u32 frag_select(int kBits, int t) {
   return kBits == 4 ? u32(t) | (u32(t + 4) << 4) | (u32(t) << 8) | (u32(t + 4) << 12)  // byte t of a, b, a, b
                     : u32(2 * (t & 1)) | (4u << 4) | (u32(2 * (t & 1) + 1) << 8) | (4u << 12);  // half (t&1), 0x64
 }
 
+// One column's A fragment of one 32-k chunk, dequantized straight from the raw words in shared memory.
 template <bool kBf16, int kBits>
 __device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u32 sel, const GroupConst& c,
                                            u32 (&f)[4]) {

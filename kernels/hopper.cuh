@@ -1,7 +1,7 @@
 // Hopper-only PTX: warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for the 64-byte swizzled K-major
 // tiles the tc kernel stages (rows of 32 k = 64 bytes, 16-byte chunk c of row r stored at c ^ ((r >> 1) & 3), tile
 // bases 512-byte aligned), the m64n128k16 / m64n256k16 ops with fp32 accumulation in registers, the m64nNk16 ops
-// with A in registers (N = 16 .. 128, for moe_gemm_ws), and their fences.
+// with A in registers (N = 16 .. 128, for moe_gemm_swapped), and their fences.
 //
 // Accumulator fragment (PTX ISA, wgmma .m64nNk16 D layout): warp w of the warpgroup holds rows 16w + g and
 // 16w + g + 8 (g = lane / 4); d[j][0..1] are columns 8j + 2t, 8j + 2t + 1 of row 16w + g (t = lane % 4) and
@@ -23,26 +23,32 @@ constexpr bool kHaveWgmma = false;
 // The descriptor is built from its low word (start field and leading-dimension offset); the high word is the same
 // for every tile. Tiles at byte offset o from a base have the base's low word + o / 16 (shared-memory addresses are
 // below 256 KiB, so the 14-bit start field does not overflow), one 32-bit add per tile in the main loop.
+// The low word of a tile's descriptor: built once per base, then stepped by one add per tile.
 __device__ __forceinline__ unsigned wg_desc_sw64_lo(unsigned smem_addr) {
   return ((smem_addr & 0x3FFFFu) >> 4) | (1u << 16);
 }
+// The full descriptor from a low word (the high word is a constant).
 __device__ __forceinline__ unsigned long long wg_desc_sw64_at(unsigned lo) {
   return static_cast<unsigned long long>(lo) | (32ull << 32) | (2ull << 62);
 }
+// The descriptor of the tile at a shared address, where a kernel computes the address anyway.
 __device__ __forceinline__ unsigned long long wg_desc_sw64(unsigned smem_addr) {
   return wg_desc_sw64_at(wg_desc_sw64_lo(smem_addr));
 }
 
+// Orders this thread's earlier accumulator and register-operand writes before the wgmma ops that read them.
 __device__ __forceinline__ void wg_fence() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #endif
 }
+// Closes the wgmma ops issued since the last commit into one group, which wg_wait retires as a whole.
 __device__ __forceinline__ void wg_commit() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #endif
 }
+// Waits until at most N wgmma groups are in flight: the operands and accumulators of the older ones are free.
 template <int N>
 __device__ __forceinline__ void wg_wait() {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -119,7 +125,7 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], unsigned long
 // g, g + 8 x k 2t, 2t + 1 in a[0], a[1]; k 2t + 8, 2t + 9 in a[2], a[3]); N = 16, 32, 64 or 128. The registers of a
 // must keep their values until a wg_wait retires the op.
 template <bool kBf16, int N>
-__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 8][4], const u32 (&a)[4],
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 8][4], const unsigned (&a)[4],
                                                 unsigned long long desc_b) {
   static_assert(N == 16 || N == 32 || N == 64 || N == 128, "wgmma width");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

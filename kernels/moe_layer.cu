@@ -88,7 +88,7 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
 }
 
 // out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T. pair_order (I % 8 == 0): column i is
-// stored at its place in pair order instead (each run of 8 as i0 i4 i1 i5 i2 i6 i3 i7; moe_gemm.cu, kPairA).
+// stored at its place in pair order instead (each run of 8 as i0 i4 i1 i5 i2 i6 i3 i7; moe_gemm_decode.cu, kPairA).
 template <typename T>
 __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi, long long P, int I,
                              int pair_order) {

@@ -8,11 +8,13 @@
 #pragma once
 
 namespace pdl {
+// Blocks until the previous grid of the stream has finished and its writes are visible: before any global access.
 __device__ __forceinline__ void wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
+// Lets the next kernel of the stream be scheduled (once every CTA has called it or exited): overlaps its launch.
 __device__ __forceinline__ void trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

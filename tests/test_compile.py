@@ -21,16 +21,36 @@ ALIGN_NAMES.append("moe_align_scan")
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
-@pytest.mark.parametrize("filename", ["moe_align.cu", "moe_gemm.cu"])
+@pytest.mark.parametrize("filename", ["moe_align.cu", *sorted(set(configs.KERNEL_FILES.values()))])
 def test_compiles_without_spills(filename, arch):
-    # every instance the launcher can request on this arch (sm_90a adds the Hopper variants)
-    names = ALIGN_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch)
+    # every instance the launcher can request on this arch (sm_90a adds the Hopper variants); a file with none on
+    # this arch (the swapped kernel below sm_90a) must still compile
+    names = ALIGN_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch, filename)
     log = _compile.compile_for_arch(filename, names, arch)
     report = _compile.parse_ptxas_report(log)
     assert len(report) == len(names), f"expected {len(names)} kernels in the ptxas report, got {len(report)}:\n{log}"
     spills = {k: v for k, v in report.items() if v.get("spill_stores") or v.get("spill_loads") or v.get("stack")}
     assert not spills, f"register spills / stack frames for {arch}: {spills}"
     assert all(v.get("registers", 0) <= 255 for v in report.values())
+
+
+def test_every_gemm_instance_has_a_file():
+    # each instance's template lives in the file its kind names; the swapped kernel exists only on sm_90a
+    files = {configs.TEMPLATES[kind]: f for kind, f in configs.KERNEL_FILES.items()}
+    for arch in ("sm_80", "sm_90", "sm_90a"):
+        for f in set(files.values()):
+            for name in configs.all_name_expressions(arch, f):
+                assert files[name.split("<")[0]] == f, (arch, name)
+    assert configs.all_name_expressions("sm_90a", "moe_gemm_swapped.cu")
+    assert not configs.all_name_expressions("sm_80", "moe_gemm_swapped.cu")
+
+
+@pytest.mark.parametrize("cfg", [*configs.KERNEL_SHAPES.values(), *configs.HOPPER_SHAPES.values(),
+                                 *configs.SPLIT_WARPS_SHAPES.values(), *configs.ACT_ORDER_SHAPES.values()])
+def test_source_file_holds_the_config_kernel(cfg):
+    # the launcher compiles cfg.source_file for the instance the config names
+    name = cfg.name_expression(False, 4, False, 32, hopper=cfg.kind == "swapped")
+    assert f"{name.split('<')[0]}(" in (_compile.kernels_dir() / cfg.source_file).read_text()
 
 
 def test_compile_error_names_the_file():
@@ -40,4 +60,6 @@ def test_compile_error_names_the_file():
 
 def test_kernels_dir_holds_sources():
     d = _compile.kernels_dir()
-    assert (d / "moe_gemm.cu").is_file() and (d / "moe_align.cu").is_file()
+    for name in ("moe_align.cu", "moe_layer.cu", *configs.KERNEL_FILES.values(), "moe_gemm_common.cuh", "gptq_dequant.cuh",
+                 "smem_pipeline.cuh", "split_k.cuh", "hopper.cuh", "pdl.cuh"):
+        assert (d / name).is_file(), name

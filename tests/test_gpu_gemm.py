@@ -1,4 +1,6 @@
 """GPU fused_moe_gemm against the float64 reference: random GPTQ tensors, routings, dtypes; determinism; graphs."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, strategies as st
@@ -45,17 +47,24 @@ def route(rng, m, e, a, kind):
     return np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)
 
 
-def run_case(rng, *, e, m, a, k, n, bits, group_size, sym, act_order, dtype_name, routed, kind, block_m=None):
+def run_case(rng, *, e, m, a, k, n, bits, group_size, sym, act_order, dtype_name, routed, kind, block_m=None,
+             shape=None):
+    """shape: run this GemmConfig (its split from the split estimate, as configs.split_k_estimate gives it) instead
+    of the chosen one; `shape(split)` when callable."""
     dt = _dtype(dtype_name)
     w = make_weight(rng, e, k, n, bits, group_size, sym, act_order)
     a_host = rng.standard_normal((m, k)).astype(np.float32).astype(dt)
     ids = route(rng, m, e, a, kind)
     tw = rng.uniform(0.1, 1.0, size=(m, a)).astype(np.float32) if routed else None
-    cfg = configs.choose_config(m, e, a, k, n, bits, group_size, block_m=block_m)
+    cfg = configs.choose_config(m, e, a, k, n, bits, group_size, block_m=block_m, act_order=act_order)
+    if shape is not None:
+        base = shape if isinstance(shape, configs.GemmConfig) else configs.DECODE
+        split = configs.split_k_estimate(base, m, e, a, k, n, gpu=configs.gpu_info(), act_order=act_order)
+        cfg = replace(shape, split_k=split) if isinstance(shape, configs.GemmConfig) else shape(split)
     s, eids, post = moe_align_block_size(cp.asarray(ids), cfg.block_m, e)
     out = cp.asarray(np.full((m * a, n), np.nan, dtype=dt))  # poison: every row must be written
     got = fused_moe_gemm(cp.asarray(a_host), w.to_device(), s, eids, post, a,
-                         None if tw is None else cp.asarray(tw), out=out)
+                         None if tw is None else cp.asarray(tw), out=out, config=cfg)
     assert got is out
     got = cp.asnumpy(got).astype(np.float64)
     hs, he, hp = (cp.asnumpy(x) for x in (s, eids, post))
@@ -116,41 +125,33 @@ def test_gemm_prefill_kernels(block_m, bits, sym, act_order, dtype_name, hopper,
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
-def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs, monkeypatch):
+def test_gemm_decode_ring_variants(bits, sym, act_order, dtype_name, gs):
     """The decode kernel's cp.async weight ring at 2 to 8 stages of 1 to 4 K chunks (8-bit: half the depth): long
     K (the ring wraps), split-K, a partial last stage and column tile, one or several experts; blocks of at most 8
     rows (the swapped-operand path) and one of 12 rows (the plain path)."""
-    from dataclasses import replace
     rng = np.random.default_rng(bits + 2 * sym + 4 * act_order)
-    monkeypatch.setattr(configs, "WARPS_K_EXTRA_STAGES", -1)  # this shape at every split (warps along K: next test)
     for stages, ku in ((2, 4), (5, 4), (8, 2), (4, 1)):
-        cfg = replace(configs.DECODE, stages=stages, ku=ku)
-        monkeypatch.setitem(configs.KERNEL_SHAPES, 16, cfg)
-        monkeypatch.setattr(configs, "DECODE", cfg)
+        cfg = replace(configs.DECODE, stages=stages, ku=ku)  # at the estimate's split (no warps along K: next test)
         for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 1408, 288), (8, 9, 2, 768, 96), (1, 12, 1, 1408, 288)):
             run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
-                     dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
+                     dtype_name=dtype_name, routed=True, kind="uniform", block_m=16, shape=cfg)
 
 
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (8, True, True, "bfloat16", 64), (4, False, True, "float16", -1)])
-def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs, monkeypatch):
+def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs):
     """The 16-row decode shape with 4 warps along K (configs.SPLIT_WARPS_SHAPES), forced for every split: slices
     summed in shared memory alone (one CTA per column strip) and with split-K across CTAs on top (few experts, long
     K); a last CTA whose last warps have no chunks (K = 768, 1120); two ring shapes; bitwise the same on a rerun."""
-    from dataclasses import replace
     rng = np.random.default_rng(16 + bits + 2 * sym + 4 * act_order)
     for stages, ku in ((2, 4), (3, 2)):
         wk = replace(configs.DECODE_WK, stages=stages, ku=ku)
-        # every 16-row split becomes round(split / 4) CTAs of 4 warp slices (the heuristic keeps one CTA)
-        monkeypatch.setattr(configs, "_split_warps", lambda cfg, k, wk=wk, **_: replace(
-            wk, split_k=max(1, round(cfg.split_k / wk.warps_k))) if cfg.block_m == 16 else cfg)
+        # every 16-row split of DECODE becomes round(split / 4) CTAs of 4 warp slices (the heuristic keeps one CTA)
+        shape = lambda split, wk=wk: replace(wk, split_k=max(1, round(split / wk.warps_k)))
         for e, m, a, k, n in ((4, 3, 2, 2048, 160), (1, 1, 1, 4096, 96), (8, 9, 2, 768, 96), (2, 5, 1, 1120, 288)):
             case = dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
-                        dtype_name=dtype_name, routed=True, kind="uniform", block_m=16)
-            cfg = configs.choose_config(m, e, a, k, n, bits, gs)
-            assert cfg.warps_k == 4 and cfg.block_n == 32
+                        dtype_name=dtype_name, routed=True, kind="uniform", block_m=16, shape=shape)
             seed = int(rng.integers(2**31))
             first = run_case(np.random.default_rng(seed), **case)
             assert np.array_equal(first, run_case(np.random.default_rng(seed), **case), equal_nan=True)
@@ -161,7 +162,7 @@ def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs, monkeyp
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (4, False, True, "float16", 64)])
 def test_gemm_block_32(bits, sym, act_order, dtype_name, gs, hopper, monkeypatch):
-    """32-row blocks: on sm_90a the swapped-operand kernel (WS_32), elsewhere (and with CUPY_MOE_HOPPER=0) the
+    """32-row blocks: on sm_90a the swapped-operand kernel (SWAPPED_32), elsewhere (and with CUPY_MOE_HOPPER=0) the
     portable decode shape with two m16 tiles per CTA: experts with 17-32 rows, partial blocks, split-K, a partial
     last column tile."""
     monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)
@@ -176,19 +177,18 @@ def test_gemm_block_32(bits, sym, act_order, dtype_name, gs, hopper, monkeypatch
     (32, 1, 4, 1, 8, False, False, "float16", 64), (64, 2, 4, 2, 8, True, False, "bfloat16", -1),
     (64, 1, 6, 1, 4, False, False, "bfloat16", 64), (128, 2, 4, 2, 4, False, False, "float16", 32),
     (64, 2, 4, 2, 4, False, True, "float16", 128)])
-def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype_name, gs, monkeypatch):
-    """The sm_90a kernel with the weights as the wgmma M side (kind "ws"; 32-row blocks use it by default, the other
-    shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles, split-K and not, an odd
-    number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable shape instead)."""
-    from cupy_moe import _compile
-    if _compile.device_arch() != "sm_90a":
-        pytest.skip("moe_gemm_ws needs sm_90a")
-    cfg = configs.GemmConfig(mt=block_m // 16, warps_m=1, warps_n=8, ng=ng, ku=ku, stages=stages, kind="ws")
-    monkeypatch.setitem(configs.HOPPER_SHAPES, block_m, cfg)
+def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype_name, gs):
+    """The sm_90a kernel with the weights as the wgmma M side (kind "swapped"; 32-row blocks use it by default, the
+    other shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles, split-K and not, an
+    odd number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable shape instead)."""
+    if not configs.gpu_info().hopper:
+        pytest.skip("the swapped-operand kernel needs sm_90a")
+    cfg = configs.GemmConfig(mt=block_m // 16, warps_m=1, warps_n=8, ng=ng, ku=ku, stages=stages, kind="swapped")
     rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * ng)
     for e, m, a, k, n in ((4, 40, 2, 2048, 160), (8, 300, 2, 1408, 288), (2, 9, 1, 768, 96), (3, 140, 2, 1120, 256)):
         run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
-                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m)
+                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m,
+                 shape=None if act_order else cfg)
 
 
 def test_gemm_deterministic_prefill():
@@ -207,6 +207,9 @@ def test_gemm_deterministic_prefill():
 
 
 def test_gemm_deterministic():
+    """Split-K results are bitwise the same on every call, with the cached workspace or a SplitKWorkspace sized by
+    SplitKWorkspace.size; a smaller workspace and a plan of another block size are refused before the launch."""
+    from cupy_moe.gemm import SplitKWorkspace
     rng = np.random.default_rng(1)
     e, m, a, k, n = 4, 9, 2, 2048, 256  # few experts, long K: split-K active
     w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
@@ -216,9 +219,15 @@ def test_gemm_deterministic():
     assert cfg.split_k > 1
     s, eids, post = moe_align_block_size(ids, cfg.block_m, e)
     first = fused_moe_gemm(x, w, s, eids, post, a)
-    for _ in range(20):
-        again = fused_moe_gemm(x, w, s, eids, post, a)
+    ws = SplitKWorkspace.for_launches([SplitKWorkspace.size(cfg, k, n, m * a, e)])
+    for i in range(20):
+        again = fused_moe_gemm(x, w, s, eids, post, a, config=cfg, workspace=ws if i % 2 else None)
         assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
+    with pytest.raises(ValueError, match=r"workspace: expected at least \d+ partials"):
+        fused_moe_gemm(x, w, s, eids, post, a, config=cfg, workspace=SplitKWorkspace(16, 16))
+    other = configs.choose_config(m, e, a, k, n, 4, 128, 64)
+    with pytest.raises(ValueError, match=f"config: expected block_m = {cfg.block_m}"):
+        fused_moe_gemm(x, w, s, eids, post, a, config=other)
 
 
 def test_graph_capture_align_and_gemm():
@@ -295,7 +304,7 @@ def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
     (16, False, "float16"), (16, True, "bfloat16"), (32, False, "bfloat16"), (64, False, "float16"),
     (128, False, "bfloat16"), (128, True, "float16")])
 def test_gemm_pair_order(block_m, act_order, dtype_name, hopper, monkeypatch):
-    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm.cu, kPairA) give the reference's result
+    """a_pair_order: the activations' 8-column runs in pair order (moe_gemm_decode.cu, kPairA) give the reference's result
     on every kernel that takes them (the decode kernel, the tc kernel; a 32-row block falls back from the ws kernel
     to the decode kernel), with split-K and warps along K; 8-bit weights are rejected."""
     from cupy_moe.reference import to_pair_order

@@ -100,6 +100,32 @@ def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
         cp.testing.assert_array_equal(direct, aligned)
 
 
+def test_fused_moe_chooses_once_per_phase_and_passes_the_choice_down(tmp_path, monkeypatch):
+    """fused_moe makes one configuration per GEMM phase and launches exactly those (fused_moe_gemm chooses
+    nothing), for the aligned path and the one-pair path of M = 1."""
+    import cupy_moe.layer as layer_mod
+    from cupy_moe import configs
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(11)
+    for m in (1, 40, 300):
+        x = cp.asarray(rng.standard_normal((m, H)).astype(np.float16))
+        weights, ids = reference.select_experts(rng.standard_normal((m, E)).astype(np.float32), 4, True)
+        choices, launched = [], []
+        choose, gemm = configs.choose_config, layer_mod.fused_moe_gemm
+        monkeypatch.setattr(configs, "choose_config", lambda *args, **kw: choices.append(choose(*args, **kw))
+                            or choices[-1])
+        monkeypatch.setattr(layer_mod, "fused_moe_gemm", lambda *args, **kw: launched.append(kw["config"])
+                            or gemm(*args, **kw))
+        fused_moe(x, w13, w2, cp.asarray(weights), cp.asarray(ids))
+        monkeypatch.undo()
+        assert len(choices) == 2 and launched == choices
+        if m == 1:
+            assert [c.block_m for c in choices] == [16, 16]
+
+
 def test_fused_moe_aligns_again_when_the_phases_pick_different_blocks(tmp_path, monkeypatch):
     """A down phase that picks another block size gets an align of its own, and the result matches the reference."""
     import cupy_moe.layer as layer_mod

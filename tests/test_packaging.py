@@ -17,7 +17,11 @@ REPO = Path(__file__).resolve().parent.parent
 def test_checkout_finds_every_kernel_source():
     assert _compile.kernels_dir() == REPO / "kernels"
     sources = sorted(p.name for p in (REPO / "kernels").glob("*.cu"))
-    assert {"moe_align.cu", "moe_gemm.cu", "moe_layer.cu"} <= set(sources)
+    assert {"moe_align.cu", "moe_gemm_decode.cu", "moe_gemm_prefill.cu", "moe_gemm_swapped.cu",
+            "moe_layer.cu"} <= set(sources)
+    headers = sorted(p.name for p in (REPO / "kernels").glob("*.cuh"))
+    assert {"gptq_dequant.cuh", "hopper.cuh", "moe_gemm_common.cuh", "pdl.cuh", "smem_pipeline.cuh",
+            "split_k.cuh"} <= set(headers)
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +40,14 @@ def test_wheel_contains_the_kernels(wheel):
         assert f"cupy_moe/kernels/{cu.name}" in names
 
 
+def test_wheel_contains_the_tuned_tables(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    tables = sorted((REPO / "cupy_moe" / "configs" / "tuned").glob("*.json"))
+    assert tables, "no tuned table ships"
+    for table in tables:
+        assert f"cupy_moe/configs/tuned/{table.name}" in names
+
+
 def test_installed_wheel_loads_kernel_sources(wheel, tmp_path):
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -50,8 +62,14 @@ def test_installed_wheel_loads_kernel_sources(wheel, tmp_path):
         import cupy_moe, cupy_moe._compile as c
         from pathlib import Path
         assert Path(cupy_moe.__file__).parent.parent.name == "site-packages", cupy_moe.__file__
-        src = c._source("moe_gemm.cu")
+        src = c._source("moe_gemm_decode.cu")
         assert src.startswith('#line 1 "') and "moe_gemm" in src
+        from cupy_moe.configs import tuned
+        assert tuned.shipped_dir().is_dir() and "site-packages" in str(tuned.shipped_dir())
+        for table in tuned.shipped_dir().glob("*.json"):
+            gpu = __import__("json").loads(table.read_text())["gpu"]
+            assert tuned.load_table(gpu, (tuned.shipped_dir(),)) == tuned.read_table(table, gpu)
+        assert all((c.kernels_dir() / h).is_file() for h in ("moe_gemm_common.cuh", "split_k.cuh", "smem_pipeline.cuh"))
         print(c.kernels_dir())
     """)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -1,0 +1,174 @@
+"""The configuration one GEMM phase launches: `choose_config` and its rules.
+
+With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched rows per touched expert:
+
+1. block_m = 16 for r <= ROWS_16_MAX (24), 64 for r <= ROWS_64_MAX (56), else 128. No 32-row block by default.
+2. split_k: the fewest K slices (each at least 2 stages, at most MAX_SPLIT) whose estimate
+   waves x (stages per slice + SPLIT_FILL_STAGES) is within 5% of the least, with
+   waves = ceil(CTAs x slices / (ctas_per_sm x SM count)). The tc tiles split only grids of less than one wave.
+   Split-K is deterministic: each tile's last CTA sums the fp32 partials in slice order; no atomics on outputs.
+3. A split 64-row pick becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE of its waves.
+4. A split 16-row pick becomes DECODE_WK, one CTA per column strip, where its warps' slices are at most
+   WARPS_K_EXTRA_STAGES stages longer than the split's; except a 2-way split whose grid fits one wave with at most
+   8 rows per expert (the swapped path), which stays 16 x 128.
+5. An entry of the GPU's tuned table (tuned.py) for the problem gives block_m and split_k in place of rules 1-3;
+   rule 4 still applies to it. A `block_m` passed in skips rules 1 and 3 (and an entry of another block size).
+6. The shape runs where its kernel has a variant (`catalogue.fallback`): act-order at a tc block size runs the
+   act-order shape, a swapped shape off sm_90a, with act-order or with pair-ordered activations the portable one.
+
+Rules 1 and 3 choose the block size without looking at act-order; rule 2 counts the CTAs per SM of the instance
+that act-order compiles. Every rule and constant was measured on an H200 (132 SMs); docs/heuristic.md holds the
+A/Bs behind them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from .catalogue import (HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig,
+                        fallback, max_split_k)
+from .gpu import GpuInfo, gpu_info
+from .tuned import tuned_entry
+
+__all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order", "ROWS_16_MAX", "ROWS_64_MAX",
+           "SPLIT_FILL_STAGES", "FULL_WAVE", "WARPS_K_EXTRA_STAGES"]
+
+# Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
+# (Mixtral-8x22B gate/up M = 64: 421 against 498 us); at 32 rows the 64-row tile beat it too (Qwen2-57B-A14B gate/up
+# M = 256: 411.9 against 561.0), so no 32-row block by default.
+ROWS_16_MAX = 24
+# Rule 1. At 32-48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time, at 64 rows the 128-row
+# tile takes 0.66-0.91 of the 64-row time (Mixtral-8x7B gate/up M = 256: 405.5 against 611.9 us).
+ROWS_64_MAX = 56
+# Rule 2. With 4 fill stages instead of 2 the picks of 112 decode rows took 0.994 of the time on the geometric mean
+# (DeepSeek-V2-Lite down M = 4: 16.4 -> 14.0 us).
+SPLIT_FILL_STAGES = 4
+# Rule 2. With this estimate the picks of 60 decode rows took 1.016 of the fastest split's time on the geometric mean.
+SPLIT_TOLERANCE = 1.05
+# Rule 3. Mixtral-8x7B down M = 128 (128 CTAs of 128 rows): 64 rows split 2 ways 187.8 us, 128 rows unsplit 159.7;
+# Mixtral-8x22B down M = 128 (192 CTAs, 0.73 of two waves): 64 x 4 ways 309.7, 128 unsplit 361.6.
+FULL_WAVE = 0.9
+# Rule 4. Splits of 2-4 run as 4 warps along K in 0.82-1.03 of the split time (Mixtral-8x7B down M = 64: 134.4
+# against 162.3 us); a split of 5 on long K (32 stages a warp against 26) lost, 48.6 against 45.3. Negative: never.
+WARPS_K_EXTRA_STAGES = 1
+
+
+def expected_experts(m: int, e: int, a: int) -> float:
+    """Distinct experts that m tokens with top-a of e experts touch on average under uniform routing (at least 1).
+    Rule 1's r and rule 2's CTA count use it: min(E, M*A) overestimated small batches (Mixtral M = 4: 8 against 5.5;
+    the split picks with min(E, M*A) took 1.032 of the fastest split's time, with this 1.016)."""
+    return max(1.0, round(e * (1.0 - (1.0 - min(1.0, a / e)) ** max(1, m)), 6))
+
+
+def down_pair_order(bits: int, block_m: int) -> bool:
+    """Whether fused_moe's down GEMM reads its activations in pair order (fused_moe_gemm's a_pair_order): 4-bit
+    weights on 16-row blocks, whose loops then skip re-pairing them: down rows 2-8% faster. The tc kernel of 64- and
+    128-row blocks ran 4-5% slower with them, though its loop is 32 of 365 instructions shorter."""
+    return bits == 4 and block_m == 16
+
+
+class _Problem:
+    """One phase's rows, touched experts and the grid of each block size on one GPU."""
+
+    def __init__(self, m, e, a, n, gpu: GpuInfo):
+        self.touched = expected_experts(m, e, a)
+        self.rows = max(1, m * a) / self.touched
+        self.n, self.gpu = n, gpu
+
+    def shape(self, block_m: int) -> GemmConfig:
+        if self.gpu.hopper and block_m in HOPPER_SHAPES:
+            return HOPPER_SHAPES[block_m]
+        return KERNEL_SHAPES[block_m]
+
+    def ctas(self, cfg: GemmConfig) -> int:
+        """CTAs of the unsplit grid: touched experts x blocks of their average row count x column tiles."""
+        blocks = self.touched * -(-int(self.rows + 0.999) // cfg.block_m)
+        return math.ceil(blocks * -(-self.n // cfg.block_n))
+
+    def slots(self, cfg: GemmConfig, act_order: bool) -> int:
+        return cfg.ctas_per_sm(act_order) * self.gpu.sm_count
+
+    def split(self, cfg: GemmConfig, k: int, act_order: bool) -> int:
+        """Rule 2."""
+        ctas, slots = self.ctas(cfg), self.slots(cfg, act_order)
+        most = max_split_k(k, cfg.ku)
+        stages = -(-max(1, k // 32) // cfg.ku)
+        if cfg.kind == "tc" and ctas >= slots:
+            # a 64- or 128-row tile's fp32 partials cost more than the fill stages: on grids of a wave or more a
+            # 2-way split took 1.04-1.57 of the unsplit time (Qwen2-57B-A14B down M = 256: 310.6 against 212.8 us)
+            most = 1
+        cost = [-(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES) for s in range(1, most + 1)]
+        return next(s for s, c in enumerate(cost, 1) if c <= SPLIT_TOLERANCE * min(cost))
+
+    def warps_along_k(self, cfg: GemmConfig, k: int, act_order: bool) -> GemmConfig:
+        """Rule 4: SPLIT_WARPS_SHAPES[block_m] in place of a split `cfg` where its warps' slices are at most
+        WARPS_K_EXTRA_STAGES longer, except a 2-way split whose grid fits one wave with at most 8 rows per expert."""
+        alt = SPLIT_WARPS_SHAPES.get(cfg.block_m)
+        if alt is None or cfg.kind != "reg" or cfg.split_k < 2 or WARPS_K_EXTRA_STAGES < 0:
+            return cfg
+        if cfg.split_k == 2 and 2 * self.ctas(cfg) <= self.slots(cfg, act_order) and self.rows <= 8:
+            # on such rows the plain split took 0.90-1.06 of the warps-along-K time, 0.955 on the geometric mean
+            # (Mixtral-8x7B down M = 16: 65.5 against 72.2 us)
+            return cfg
+        stages = -(-max(1, k // 32) // alt.ku)
+        if -(-stages // alt.warps_k) > -(-stages // cfg.split_k) + WARPS_K_EXTRA_STAGES:
+            return cfg
+        return replace(alt, split_k=1)
+
+
+def split_k_estimate(shape: GemmConfig, m: int, e: int, a: int, k: int, n: int, *, gpu: GpuInfo,
+                     act_order: bool = False) -> int:
+    """Rule 2's split for `shape` on this problem (arguments as choose_config's): for tests and tuning that run
+    other shapes than the catalogue's."""
+    return _Problem(m, e, a, n, gpu).split(shape, k, act_order)
+
+
+def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int, block_m: int | None = None,
+                  *, act_order: bool = False, pair_a: bool = False, gpu: GpuInfo | None = None,
+                  split_k: int | None = None, tuned: bool = True) -> GemmConfig:
+    """The configuration one GEMM phase launches: pass it to fused_moe_gemm(..., config=) and align with its
+    block_m (`moe_align_block_size(topk_ids, config.block_m, E)`).
+
+    m: rows of the activation (tokens M for gate/up; the down phase passes m = M*A rows and a = 1), e: experts E,
+    a: top-k A of this phase, k: K, n: N, bits, group_size: G (-1 = one group).
+    block_m: the align block size already used (16, 32, 64 or 128); None = rules 1 and 3 or the tuned table.
+    act_order: the weights carry g_idx. pair_a: the activations are in pair order (fused_moe_gemm's a_pair_order).
+    gpu: the target (`GpuInfo`); None = the current device (a RuntimeError without a GPU).
+    split_k: force the K split of the block size's shape (with block_m; rule 2 skipped, rules 4-6 apply): how `tune`
+    names its candidates. tuned: False ignores the tuned table (the rules alone).
+    """
+    if gpu is None:
+        gpu = gpu_info()
+    elif not isinstance(gpu, GpuInfo):
+        raise TypeError(f"gpu: expected a GpuInfo or None, got {type(gpu).__name__}")
+    if block_m is not None and block_m not in SUPPORTED_BLOCK_M:
+        raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M} or None, got {block_m!r}")
+    if split_k is not None and (block_m is None or isinstance(split_k, bool) or not isinstance(split_k, int)
+                                or not 1 <= split_k <= MAX_SPLIT):
+        raise ValueError(f"split_k: expected an int in [1, {MAX_SPLIT}] with a block_m, or None, got "
+                         f"split_k={split_k!r}, block_m={block_m!r}")
+    problem = _Problem(m, e, a, n, gpu)
+    entry = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a) if tuned and split_k is None else None
+    if block_m is None:
+        block_m = entry[0] if entry is not None else _block_size(problem, k)
+    base = problem.shape(block_m)
+    if split_k is not None:
+        split = split_k
+    elif entry is not None and entry[0] == block_m:
+        split = entry[1]
+    else:
+        split = problem.split(base, k, act_order)
+    cfg = problem.warps_along_k(replace(base, split_k=split), k, act_order)
+    return fallback(cfg, act_order=act_order, hopper=gpu.hopper, pair_a=pair_a)
+
+
+def _block_size(problem: _Problem, k: int) -> int:
+    """Rules 1 and 3."""
+    rows = problem.rows
+    block_m = 16 if rows <= ROWS_16_MAX else 64 if rows <= ROWS_64_MAX else 128
+    if block_m == 64 and problem.split(problem.shape(64), k, False) > 1:
+        big = problem.shape(128)
+        ctas, slots = problem.ctas(big), problem.slots(big, False)
+        if ctas >= FULL_WAVE * slots * -(-ctas // slots):
+            return 128
+    return block_m

@@ -1,0 +1,27 @@
+// What the three fused GPTQ MoE GEMM kernels share: their contract with the launcher (cupy_moe/gemm.py) and the
+// role headers they are built from. Each kernel family has its own file:
+//   moe_gemm_decode.cu    moe_gemm          decode and act-order: B dequantized in registers, mma.sync
+//   moe_gemm_prefill.cu   moe_gemm_tc       prefill: B dequantized once into shared memory, mma.sync or wgmma
+//   moe_gemm_swapped.cu   moe_gemm_swapped  sm_90a: operands swapped, weights as wgmma's register A operand
+//
+// Every kernel computes out[p, :] = a[p // top_k, :] @ W[expert(p)] (* topk_weights[p]) for every pair p of the
+// aligned pair list, straight from the stacked raw GPTQ layout (no repacking), one launch per phase, and takes the
+// same arguments in the same order:
+//
+// Shapes: a [M, K] fp16/bf16; qweight [E, K*bits/32, N] int32 (packed along K); scales [E, ceil(K/G), N] fp16;
+// qzeros [E, ceil(K/G), N*bits/32] int32 real zeros or null (symmetric: zero = 2^(bits-1)); g_idx [E, K] or null;
+// sorted [C] pair ids (sentinel P), expert_ids [C/B_M], post_padded [1]; out [P, N] in a's dtype; partials
+// [S, C, N] fp32 and tickets [C/B_M, N/B_N] zeros when split_k > 1 (split_k.cuh).
+// Blocks whose expert id is outside [0, E) are skipped (num_experts = E), so a bad id never reads past the weights.
+//
+// Tiling: CTA = BLOCK_M (= the align block size) rows of one expert x BLOCK_N columns x one K slice (split-K).
+// Grid = (C/BLOCK_M blocks, N/BLOCK_N, split_k): blockIdx.x is fastest so the CTAs that share a weight tile run
+// together and the tile is read from HBM once (L2 hits after).
+#pragma once
+
+#include "gptq_dequant.cuh"
+#include "pdl.cuh"
+#include "smem_pipeline.cuh"
+#include "split_k.cuh"
+
+using gptq::u32;

@@ -1,0 +1,331 @@
+// Swapped-operand GEMM kernel `moe_gemm_swapped` (kind "ws" in cupy_moe/configs.py; sm_90a only, no act-order):
+// out^T = W^T a^T. Arguments and tiling: moe_gemm_common.cuh. The weights are the wgmma M side, dequantized
+// straight into registers as its A fragment (gptq_dequant.cuh, frag_chunk); the gathered activation rows
+// of the block, T = 16 .. 128 of them (the align block size), are its N side, read by the tensor cores from shared
+// memory. So a block of T rows costs T rows of tensor work (the tc kernel's wgmma M side is 64 or 128 rows, mostly
+// padding when experts get 20-60 rows), and no dequantized tile goes through shared memory.
+//
+// CTA = T rows x BN = 128 * MW columns x one K slice, 8 warps = 2 warpgroups; warpgroup i owns columns
+// i * 64 * MW .. as MW m64 tiles, in which warp w holds columns 16w + g and 16w + g + 8 (g = lane / 4, t = lane % 4).
+// Per 32-k step a ring of NS stages (KT steps each) filled by cp.async holds the activation rows [T][32] (the 64-byte
+// swizzled K-major layout of the tc kernel, now the wgmma B operand), the raw qweight rows [bits][BN] (rows padded by
+// 32 bytes: the 8-bit lanes read two rows at once), the scales [BN] and the zero words. Each thread turns its
+// columns' words into A fragments (two register sets, so that the next stage is dequantized while the tensor cores
+// still read the current one), and the warpgroup issues MW x 2 m64nTk16 ops per step with them.
+// Main loop as in the tc kernel's wgmma path: LOOK = NS - 2 stages in flight, one barrier per stage.
+// Split-K: split_k.cuh.
+
+#include "hopper.cuh"
+#include "moe_gemm_common.cuh"
+
+// Byte layout of one CTA's dynamic shared memory; configs.GemmConfig.smem_bytes computes kTotal the same way.
+template <int T, int BN, int kBits, int NS, int KT>
+struct SwappedSmem {
+  static constexpr int kA = T * 64;            // activation rows of one 32-k step (a multiple of 512)
+  static constexpr int kQRow = BN * 4 + 32;    // bytes per qweight row
+  static constexpr int kQ = kBits * kQRow;
+  static constexpr int kS = BN * 2;
+  static constexpr int kZ = BN * kBits / 8;
+  static constexpr int kStep = (kA + kQ + kS + kZ + 511) / 512 * 512;
+  static constexpr int kStage = KT * kStep;
+  static constexpr int kTotal = NS * kStage + 1024;  // + slack to align the base to 1024 bytes
+};
+
+template <bool kBf16, int kBits, int T, int MW, int NS, int KT>
+__global__ void __launch_bounds__(256)
+moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
+            const int* __restrict__ qweight,             // [E, K*bits/32, N]
+            const unsigned short* __restrict__ scales,   // [E, groups, N] fp16 bits
+            const int* __restrict__ qzeros,              // [E, groups, N*bits/32] or null
+            const int* __restrict__ g_idx,               // unused (act-order runs moe_gemm)
+            const float* __restrict__ topk_weights,      // [P] or null
+            const int* __restrict__ sorted,              // [C]
+            const int* __restrict__ expert_ids,          // [C / T]
+            const int* __restrict__ post_padded,         // [1]
+            unsigned short* __restrict__ out,            // [P, N]
+            float* __restrict__ partials,                // [S, C, N] when split_k > 1
+            int* __restrict__ tickets,                   // [C / T, N / BN] zeros when split_k > 1
+            int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
+            int split_k, int chunks_per_split, int num_experts) {
+  constexpr int BN = 128 * MW, THREADS = 256, NJ = T / 8, NC = 2 * MW;
+  using L = SwappedSmem<T, BN, kBits, NS, KT>;
+  static_assert(T == 16 || T == 32 || T == 64 || T == 128, "T");
+  static_assert(MW == 1 || MW == 2, "MW");
+  static_assert(gptq::kHaveWgmma, "moe_gemm_swapped: sm_90a only");
+  extern __shared__ uint4 smem_dyn[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
+  smem += (1024 - (gptq::smem_u32(smem) & 1023)) & 1023;
+
+  const int blk = blockIdx.x;
+  pdl::enter();  // before the first global access (pdl.cuh)
+  const int padded = __ldg(post_padded);
+  const int expert = __ldg(expert_ids + blk);
+  if (blk * T >= padded || expert < 0 || expert >= num_experts) return;
+  gptq::require_dyn_smem(L::kTotal);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, wg = warp >> 2;
+  const int n_base = blockIdx.y * BN;
+  const long long rows_q = static_cast<long long>(K) * kBits / 32;
+  const int* qw_e = qweight + expert * rows_q * N;
+  const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;
+  const int zwords = N * kBits / 32;
+  const int* qz_e = qzeros ? qzeros + static_cast<long long>(expert) * num_groups * zwords : nullptr;
+  constexpr int kSymZero = 1 << (kBits - 1);
+
+  const int total_chunks = K / 32;
+  const int c_begin = min(total_chunks, static_cast<int>(blockIdx.z) * chunks_per_split);
+  const int c_end = min(total_chunks, c_begin + chunks_per_split);
+  const int nsteps = (c_end - c_begin + KT - 1) / KT;
+  const int chunks_per_group = group_len / 32;
+  const int grp0 = c_begin / chunks_per_group;
+  int grp_next = (grp0 + 1) * chunks_per_group;
+
+  // ---- copy assignments (as in moe_gemm_tc): per-thread source pointers advanced one 32-k chunk per issued step.
+  // Written out again on purpose: one helper struct for both kernels changed moe_gemm_tc's register allocation and
+  // cost its 128 x 256 instance 3-7% (H200, 2026-12-03 17:45, same-run A/B, docs/performance-history.md).
+  constexpr int A_CH = 4 * T, A_PER = (A_CH + THREADS - 1) / THREADS;
+  const unsigned short* a_src[A_PER];
+  bool a_ok[A_PER];
+  const unsigned a_dst = (tid >> 2) * 64 + (((tid & 3) ^ ((tid >> 3) & 3)) << 4);  // + i * (THREADS / 4) * 64
+#pragma unroll
+  for (int i = 0; i < A_PER; ++i) {
+    const int row = (tid >> 2) + i * (THREADS / 4);
+    const int p = row < T ? __ldg(sorted + blk * T + row) : -1;
+    a_ok[i] = p >= 0 && p < num_pairs;
+    a_src[i] = a + (a_ok[i] ? static_cast<long long>(p / top_k) * K + 8 * (tid & 3) : 0) + c_begin * 32;
+  }
+  constexpr int Q_ROW = BN / 4, Q_CH = kBits * Q_ROW, Q_PER = (Q_CH + THREADS - 1) / THREADS;
+  const long long q_step = static_cast<long long>(kBits) * N;
+  const int* q_src[Q_PER];
+  bool q_ok[Q_PER];
+  unsigned q_dst[Q_PER];
+#pragma unroll
+  for (int i = 0; i < Q_PER; ++i) {
+    const int idx = tid + i * THREADS, q_row = idx / Q_ROW, q_chunk = idx % Q_ROW;
+    q_ok[i] = idx < Q_CH && n_base + 4 * q_chunk < N;
+    q_src[i] = qw_e + (q_ok[i] ? static_cast<long long>(q_row) * N + n_base + 4 * q_chunk : 0) + c_begin * q_step;
+    q_dst[i] = L::kA + q_row * L::kQRow + q_chunk * 16;
+  }
+  constexpr int S_CHUNKS = BN / 8, Z_CHUNKS = L::kZ / 16;
+  const int s_chunk = tid - (THREADS - S_CHUNKS);
+  const bool s_do = s_chunk >= 0;
+  const bool s_ok = s_do && n_base + 8 * s_chunk < N;
+  const unsigned short* s_src = sc_e + static_cast<long long>(grp0) * N + (s_ok ? n_base + 8 * s_chunk : 0);
+  const int z_thread = tid - (THREADS - S_CHUNKS - Z_CHUNKS);
+  const bool zc_do = z_thread >= 0 && z_thread < Z_CHUNKS;
+  const bool zc_ok = zc_do && qz_e != nullptr && n_base + z_thread * 128 / kBits < N;
+  const int z_step = zc_ok ? zwords : 0;
+  const int* z_src = zc_ok ? qz_e + static_cast<long long>(grp0) * zwords + n_base * kBits / 32 + 4 * z_thread : qw_e;
+
+  auto copy_step = [&](unsigned st, bool in) {
+#pragma unroll
+    for (int i = 0; i < A_PER; ++i) {
+      if ((i + 1) * THREADS <= A_CH || tid + i * THREADS < A_CH)
+        gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);
+      if (in) a_src[i] += 32;
+    }
+#pragma unroll
+    for (int i = 0; i < Q_PER; ++i) {
+      if ((i + 1) * THREADS <= Q_CH || tid + i * THREADS < Q_CH)
+        gptq::cp_async16(st + q_dst[i], in ? q_src[i] : qweight, in && q_ok[i]);
+      if (in) q_src[i] += q_step;
+    }
+    if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, in ? s_src : scales, in && s_ok);
+    if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, in ? z_src : qweight, in && zc_ok);
+  };
+  auto issue_step = [&](unsigned st, int c) {
+    if (c < c_end) {
+      if (c >= grp_next) {
+        grp_next += chunks_per_group;
+        s_src += N;
+        z_src += z_step;
+      }
+      copy_step(st, true);
+    } else {
+      copy_step(st, false);
+    }
+  };
+  const unsigned smem_base = gptq::smem_u32(smem);
+  auto issue = [&](int slot, int c) {
+#pragma unroll
+    for (int s = 0; s < KT; ++s) issue_step(smem_base + slot * L::kStage + s * L::kStep, c + s);
+  };
+
+  // ---- A fragments: column ci = 2 * mw + h is tile column 16 * (warp % 4) + g + 8h of m64 tile mw
+  int col[NC];
+#pragma unroll
+  for (int ci = 0; ci < NC; ++ci) col[ci] = wg * 64 * MW + (ci >> 1) * 64 + 16 * (warp & 3) + g + 8 * (ci & 1);
+  const u32 sel = gptq::frag_select(kBits, t);
+  gptq::GroupConst fc[NC];
+  int group_left = 0;  // chunks left in the group of the constants in fc
+  using Frag = u32[KT][MW][2][4];  // [step][m64 tile][k16 half][register]
+  auto dequant = [&](int slot, int c0, Frag& fr) {
+#pragma unroll
+    for (int s = 0; s < KT; ++s) {
+      const unsigned char* st = smem + slot * L::kStage + s * L::kStep;
+      if (group_left == 0) {  // first chunk of a group (or of the slice): this step's scales and zeros
+        const int c = c0 + s;
+        group_left = chunks_per_group - c % chunks_per_group;
+#pragma unroll
+        for (int ci = 0; ci < NC; ++ci) {
+          const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[col[ci]];
+          int zc = kSymZero;
+          if (qz_e) {
+            const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[col[ci] * kBits / 32];
+            zc = kBits == 4 ? (zw >> (4 * (col[ci] & 7))) & 15u : (zw >> (8 * (col[ci] & 3))) & 255u;
+          }
+          fc[ci] = gptq::group_const<kBf16>(sb, zc);
+        }
+      }
+      --group_left;
+      const u32* qs = reinterpret_cast<const u32*>(st + L::kA);
+#pragma unroll
+      for (int mw = 0; mw < MW; ++mw) {
+        u32 f0[4], f1[4];  // columns g and g + 8
+        gptq::frag_chunk<kBf16, kBits>(qs + col[2 * mw], L::kQRow / 4, t, sel, fc[2 * mw], f0);
+        gptq::frag_chunk<kBf16, kBits>(qs + col[2 * mw + 1], L::kQRow / 4, t, sel, fc[2 * mw + 1], f1);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          fr[s][mw][h][0] = f0[2 * h];
+          fr[s][mw][h][1] = f1[2 * h];
+          fr[s][mw][h][2] = f0[2 * h + 1];
+          fr[s][mw][h][3] = f1[2 * h + 1];
+        }
+      }
+    }
+  };
+
+  float acc[MW][NJ][4];
+#pragma unroll
+  for (int mw = 0; mw < MW; ++mw)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mw][j][r] = 0.f;
+
+  auto wg_issue = [&](int slot, const Frag& fr) {
+#pragma unroll
+    for (int mw = 0; mw < MW; ++mw) gptq::wg_fence_operands(acc[mw]);
+    gptq::wg_fence();
+#pragma unroll
+    for (int s = 0; s < KT; ++s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const unsigned long long desc = gptq::wg_desc_sw64(smem_base + slot * L::kStage + s * L::kStep + 32 * h);
+#pragma unroll
+        for (int mw = 0; mw < MW; ++mw) gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[s][mw][h], desc);
+      }
+    gptq::wg_commit();
+  };
+
+  constexpr int LOOK = NS - 2;
+  static_assert(LOOK >= 2, "raw step it+1 must be in flight while step it is dequantized");
+#pragma unroll
+  for (int s = 0; s < LOOK; ++s) {
+    if (s < nsteps) issue(s, c_begin + s * KT);
+    gptq::cp_async_commit();
+  }
+  Frag fr0, fr1;
+  gptq::cp_async_wait<LOOK - 1>();
+  __syncthreads();
+  if (nsteps > 0) dequant(0, c_begin, fr0);
+  int rd = 0;
+  // iteration it: tensor work of stage it from `cur` while stage it+1 is dequantized into `nxt`
+  auto body = [&](int it, const Frag& cur, Frag& nxt) {
+    gptq::cp_async_wait<LOOK - 2>();
+    gptq::fence_proxy_async_smem();  // this thread's activation copies -> wgmma reads
+    __syncthreads();
+    const int nx = it + LOOK;
+    if (nx < nsteps) issue(rd + LOOK < NS ? rd + LOOK : rd + LOOK - NS, c_begin + nx * KT);
+    gptq::cp_async_commit();
+    wg_issue(rd, cur);
+    gptq::wg_wait<1>();  // stage it-1's ops are done: `nxt` may be overwritten
+    const int rd1 = rd + 1 == NS ? 0 : rd + 1;
+    if (it + 1 < nsteps) dequant(rd1, c_begin + (it + 1) * KT, nxt);
+    rd = rd1;
+  };
+  for (int it = 0; it < nsteps; it += 2) {
+    body(it, fr0, fr1);
+    if (it + 1 < nsteps) body(it + 1, fr1, fr0);
+  }
+  gptq::cp_async_wait<0>();
+  gptq::wg_wait<0>();
+#pragma unroll
+  for (int mw = 0; mw < MW; ++mw) gptq::wg_fence_operands(acc[mw]);
+
+  // ---- epilogue: acc[mw][j][r] = column col[2 mw + (r >> 1)], block row 8j + 2t + (r & 1). Lanes g and g ^ 1
+  // swap one value so that each stores two adjacent columns: even g columns g, g + 1; odd g columns g + 7, g + 8.
+  const bool odd = g & 1;
+  int pair_of[NJ][2];
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int p = __ldg(sorted + blk * T + 8 * j + 2 * t + e);
+      pair_of[j][e] = (p >= 0 && p < num_pairs) ? p : -1;
+    }
+  // the two columns this lane writes for (mw, j, e): v = (left, right) at column c2
+  auto columns = [&](int mw, int j, int e, float& left, float& right) {
+    const float lo = acc[mw][j][e], hi = acc[mw][j][2 + e];  // columns col[2mw] and col[2mw] + 8
+    const float other = __shfl_xor_sync(0xffffffffu, odd ? lo : hi, 4);
+    left = odd ? other : lo;
+    right = odd ? hi : other;
+  };
+  const int c2_off = odd ? 7 : 0;
+
+  if (split_k == 1) {
+#pragma unroll
+    for (int j = 0; j < NJ; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int p = pair_of[j][e];
+        const float w = (p >= 0 && topk_weights) ? __ldg(topk_weights + p) : 1.f;
+#pragma unroll
+        for (int mw = 0; mw < MW; ++mw) {
+          float left, right;
+          columns(mw, j, e, left, right);
+          const int c2 = n_base + col[2 * mw] + c2_off;
+          if (p >= 0 && c2 < N)
+            *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + c2) = gptq::pack2<kBf16>(left * w, right * w);
+        }
+      }
+    return;
+  }
+
+  // split-K (split_k.cuh): publish this slice's partial tile, then the last CTA of the tile reduces in fixed order
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int slot = blk * T + 8 * j + 2 * t + e;
+#pragma unroll
+      for (int mw = 0; mw < MW; ++mw) {
+        float left, right;
+        columns(mw, j, e, left, right);
+        const int c2 = n_base + col[2 * mw] + c2_off;
+        const float v[2] = {left, right};
+        if (pair_of[j][e] >= 0 && c2 < N) splitk::publish(partials, capacity, N, slot, c2, v);
+      }
+    }
+  __shared__ int last;
+  if (!splitk::last_arrival(tickets, split_k, last)) return;
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int p = pair_of[j][e];
+      if (p < 0) continue;
+      const int slot = blk * T + 8 * j + 2 * t + e;
+      const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+#pragma unroll
+      for (int mw = 0; mw < MW; ++mw) {
+        const int c2 = n_base + col[2 * mw] + c2_off;
+        if (c2 >= N) continue;
+        float v[2];
+        splitk::sum_slices(partials, split_k, capacity, N, slot, c2, v);
+        *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + c2) = gptq::pack2<kBf16>(v[0] * w, v[1] * w);
+      }
+    }
+  splitk::reset_ticket(tickets);
+}

@@ -1,0 +1,79 @@
+// Split-K of the GEMM kernels, deterministic and without atomics on the output. The K slices of one output tile run
+// in separate CTAs (blockIdx.z = slice); each CTA writes its fp32 partial tile to a workspace [S, C, N] (slice,
+// slot of the aligned pair list, column), then takes a ticket of the tile. The CTA that arrives last sums the
+// partials of every slice in the fixed order s = 0 .. S-1, so the result is bitwise the same whatever the arrival
+// order, rounds once, writes the output and resets the ticket for the next launch (and CUDA graph replay).
+//
+// Each kernel walks its own fragments (its accumulator layout); the workspace layout, the ticket protocol and the
+// fixed-order sum are the functions below. A fragment is W consecutive columns of one slot: W = 2 (the tensor-core
+// accumulator pair) or 8 (moe_gemm's 16-byte rows).
+#pragma once
+
+namespace splitk {
+
+// Writes this CTA's partial sums (slice blockIdx.z) of columns col .. col + W - 1 of `slot` into the workspace.
+template <int W>
+__device__ __forceinline__ void publish(float* partials, int capacity, int N, int slot, int col, const float (&v)[W]) {
+  float* dst = partials + (static_cast<long long>(blockIdx.z) * capacity + slot) * N + col;
+  static_assert(W == 2 || W == 8, "fragment width");
+  if constexpr (W == 2) {
+    *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
+  } else {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  }
+}
+
+// Called by every thread of the CTA after its publish(): true in the CTA that completes the tile (blockIdx.x,
+// blockIdx.y), which then owns every slice's partials and must call reset_ticket().
+// last: a __shared__ int of the kernel (declared there: one declared in here moves the kernel's other shared arrays
+// and changes its code).
+__device__ __forceinline__ bool last_arrival(int* tickets, int split_k, int& last) {
+  __threadfence();  // partials visible device-wide before the ticket
+  __syncthreads();
+  int* ticket = tickets + static_cast<long long>(static_cast<int>(blockIdx.x)) * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == split_k - 1;
+  __syncthreads();
+  if (!last) return false;
+  __threadfence();  // the other slices' partials are read after their tickets
+  return true;
+}
+
+// In the CTA that arrived last (thread 0 acts): the tile's ticket back to zero for the next launch and CUDA graph
+// replay. Anywhere after last_arrival() (no other CTA touches the ticket any more); each kernel calls it where its
+// code came out shortest.
+__device__ __forceinline__ void reset_ticket(int* tickets) {
+  int* ticket = tickets + static_cast<long long>(static_cast<int>(blockIdx.x)) * gridDim.y + blockIdx.y;
+  if (threadIdx.x == 0) *ticket = 0;
+}
+
+// The tile's sums of columns col .. col + W - 1 of `slot`: every slice's partials added in slice order (L2 reads:
+// the other CTAs wrote them). Written out for the two widths the kernels use: the same sums written as arrays and
+// unrolled loops changed the register allocation of the whole kernel (NVRTC 12.9).
+template <int W>
+__device__ __forceinline__ void sum_slices(const float* partials, int split_k, int capacity, int N, int slot, int col,
+                                           float (&v)[W]) {
+  static_assert(W == 2 || W == 8, "fragment width");
+  if constexpr (W == 2) {
+    float v0 = 0.f, v1 = 0.f;
+    for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the same result on every run
+      const float2 x =
+          __ldcg(reinterpret_cast<const float2*>(partials + (static_cast<long long>(s) * capacity + slot) * N + col));
+      v0 += x.x;
+      v1 += x.y;
+    }
+    v[0] = v0;
+    v[1] = v1;
+  } else {
+    v[0] = v[1] = v[2] = v[3] = v[4] = v[5] = v[6] = v[7] = 0.f;
+    for (int s = 0; s < split_k; ++s) {  // fixed order
+      const float* src = partials + (static_cast<long long>(s) * capacity + slot) * N + col;
+      const float4* src4 = reinterpret_cast<const float4*>(src);
+      const float4 lo = __ldcg(src4), hi = __ldcg(src4 + 1);
+      v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+      v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+    }
+  }
+}
+
+}  // namespace splitk
