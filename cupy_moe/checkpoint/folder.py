@@ -131,7 +131,8 @@ class Checkpoint:
         return self.index.get(name)
 
     def module(self, name: str, layer: int) -> "Module":
-        """How module `name` is stored: quantized (GPTQ/AWQ) or dense, after the config and tensors agree."""
+        """How module `name` is stored: quantized (GPTQ, AWQ, compressed-tensors) or dense, after the config and
+        tensors agree."""
         quant, rule = self.quant.module(name, self.scheme.block.format(layer=layer))
         qname = self.quant.base.storage.tensor(name, "qweight")
         qweight = self.tensor(qname)

@@ -23,8 +23,8 @@ import numpy as np
 
 from .. import _packing, _xp
 from ..weights import StackedGptqWeight, expert_shapes, group_len, stacked_shapes
-from .folder import Checkpoint, Module
 from . import routing
+from .folder import Checkpoint, Module
 from .naming import NamingScheme
 from .quant_config import Quant
 from .safetensors import FLOATS, SafetensorsFile, TensorInfo, as_float
@@ -147,7 +147,7 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
                             want["scales"][::-1] if unpacked else want["qzeros"][::-1],
                             f"{'[N, R]' if unpacked else '[N*bits/32, R]'}, {sizes}", required=not quant.sym)
                     _expect(ckpt, name("scales"), FLOATS, want["scales"][::-1], f"[N, ceil(K/G)], {sizes}")
-                    _expect(ckpt, m.name + ".weight_shape", ("I32", "I64"), (2,), "[N, K]", required=False)
+                    _expect(ckpt, f"{m.name}.{fmt.shape_tensor}", ("I32", "I64"), (2,), "[N, K]", required=False)
                 else:
                     _expect(ckpt, name("qzeros"), ("I32",), want["qzeros"], f"[ceil(K/G), N*bits/32], {sizes}",
                             required=fmt.zeros_always or not quant.sym)
@@ -206,7 +206,7 @@ def _load_plan(ckpt: Checkpoint, plan: _Plan, device: bool):
                 _awq_qweight_into(f, info, qweight[e, :, n0:n1])
             elif fmt.transposed:
                 qweight[e, :, n0:n1] = f.read(info).T  # [N, K*bits/32] -> GPTQ's [K*bits/32, N], same words
-                _check_weight_shape(ckpt, m.name, k, n1 - n0)
+                _check_shape_tensor(ckpt, f"{m.name}.{fmt.shape_tensor}", k, n1 - n0)
             elif whole:
                 f.read_into(info, qweight[e])
             else:
@@ -257,14 +257,14 @@ def _load_plan(ckpt: Checkpoint, plan: _Plan, device: bool):
     return weight, _put(bias, device)
 
 
-def _check_weight_shape(ckpt: Checkpoint, module: str, k: int, n: int):
+def _check_shape_tensor(ckpt: Checkpoint, name: str, k: int, n: int):
     """compressed-tensors' weight_shape [2] (the unpacked [N, K]) must agree with the packed tensors."""
-    got = ckpt.tensor(module + ".weight_shape")
+    got = ckpt.tensor(name)
     if got is not None:
         shape = [int(v) for v in got[0].read(got[1])]
         if shape != [n, k]:
-            raise ValueError(f"{got[0].label}: tensor '{module}.weight_shape' says {shape}, but the packed tensors "
-                             f"hold [N, K] = [{n}, {k}]")
+            raise ValueError(f"{got[0].label}: tensor '{name}' says {shape}, but the packed tensors hold [N, K] = "
+                             f"[{n}, {k}]")
 
 
 def _check_sym_zeros(f: SafetensorsFile, info: TensorInfo, raw: np.ndarray, q: Quant):

@@ -33,6 +33,7 @@ class StorageFormat:
         scales [N, R], zero points [N*bits/32, R] packed along N (or int8 [N, R] unpacked, older files).
         Packed words hold values + 2**(bits-1) lowest first, as GPTQ's, so a transpose gives GPTQ's words.
     suffixes: the tensor name suffixes of (qweight, qzeros, scales, g_idx) after the module name.
+    shape_tensor: suffix of a tensor holding the unpacked [N, K] (compressed-tensors' weight_shape), or None.
     """
     name: str
     method: str
@@ -42,6 +43,7 @@ class StorageFormat:
     g_idx: bool = True
     transposed: bool = False
     suffixes: tuple = ("qweight", "qzeros", "scales", "g_idx")
+    shape_tensor: str | None = None
 
     def tensor(self, module: str, role: str) -> str:
         """Tensor name of `role` ("qweight", "qzeros", "scales" or "g_idx") of `module` in this format."""
@@ -53,7 +55,8 @@ FORMATS = {f.name: f for f in (
     StorageFormat("gptq_v2", "gptq"),
     StorageFormat("awq", "awq", packed_along_n=True, zeros="awq", zeros_always=True, g_idx=False),
     StorageFormat("pack-quantized", "compressed-tensors", transposed=True,
-                  suffixes=("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")),
+                  suffixes=("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx"),
+                  shape_tensor="weight_shape"),
 )}
 _GPTQ_FORMATS = tuple(f.name for f in FORMATS.values() if f.method == "gptq")
 
