@@ -123,7 +123,9 @@ def test_gpu_output_matches_the_tool(folder):
     import cupy
     io, dtype, _ = _fixture(folder)
     layer = cupy_moe.load_moe_layer(folder, int(io["layer"]), device=True)
-    x = cupy.asarray(io["x"]).astype(cupy.float16 if dtype == "float16" else "bfloat16")
-    y = cupy.asnumpy(layer(x).astype(cupy.float32))
+    x = _input(io, dtype)
+    _, ids = layer.route(cupy.asarray(x))
+    np.testing.assert_array_equal(np.sort(cupy.asnumpy(ids), 1), np.sort(io["topk_ids"], 1))
+    y = cupy.asnumpy(layer(cupy.asarray(x))).astype(np.float32)
     err = _rel_l2(y, io["y"])
     assert err <= 2 * REL_L2[dtype], f"{folder.name}: relative L2 error {err:.2e} vs the tool's output"
