@@ -81,3 +81,14 @@ def test_dequantized_weights_reproduce_the_tools_output(folder):
     # The check is sensitive: dropping the shared expert or one routed expert's weight breaks it.
     broken = dict(io, topk_weights=io["topk_weights"] * np.array([1.0, 0.0], np.float32)[:io["topk_ids"].shape[1]])
     assert _make_fixtures().check_dequantized(io["x"], broken, gate) > 5e-2
+
+
+@pytest.mark.parametrize("folder", [p for p in FIXTURES if "actorder" in p.name and "gptq" in p.name],
+                         ids=lambda p: p.name)
+def test_act_order_fixture_has_a_permuting_g_idx(folder):
+    info = json.loads((folder / "versions.json").read_text())
+    layer, g = int(np.load(folder / "io.npz")["layer"]), info["fixture"]["group_size"]
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        g_idx = _tensor(folder, f"model.layers.{layer}.mlp.experts.0.{proj}.g_idx")
+        assert not np.array_equal(g_idx, np.arange(len(g_idx)) // g), proj
+        assert np.array_equal(np.bincount(g_idx), np.full(len(g_idx) // g, g)), proj  # G columns per group

@@ -62,6 +62,7 @@ class Fixture:
     layer: int = 1  # the decoder layer whose MoE block io.npz covers
     dtype: str = "float16"  # the model's float dtype (bfloat16: x and y are stored as exact float32)
     extra: dict = field(default_factory=dict)  # config overrides
+    dynamic: dict | None = None  # GPTQModel per-module overrides ("+:regex": {...}, "-:regex": {} = skip)
 
 
 HIDDEN = 128
@@ -73,6 +74,9 @@ FIXTURES = [
     Fixture("deepseek_v2_gptq_w4_g64_grouped", "gptqmodel", "deepseek_v2", 4, 64, layer=2),
     Fixture("deepseek_v3_gptq_w4_g128_sharded", "gptqmodel", "deepseek_v3", 4, 128, intermediate=128,
             shard_kb=200, layer=2, dtype="bfloat16"),
+    Fixture("deepseek_v2_gptq_w4_g128_dynamic", "gptqmodel", "deepseek_v2", 4, 128, intermediate=128, layer=2,
+            dynamic={r"+:.*\.shared_experts\..*": {"bits": 8}, r"-:.*\.self_attn\..*": {}},
+            extra={"topk_method": "greedy", "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0}),
     Fixture("qwen3_moe_ct_w4a16_g128_sym", "llmcompressor", "qwen3_moe", 4, 128, intermediate=128),
     Fixture("mixtral_ct_w4a16_g64_asym", "llmcompressor", "mixtral", 4, 64, sym=False, actorder="weight"),
 ]
@@ -225,11 +229,7 @@ def write_sidecars(fx: Fixture, folder: Path, x, result: dict, dequant: dict, qu
 
 
 def dequantized_weights(block) -> dict:
-    """The tool's dequantized weights of one MoE block as {"experts.{proj}": [E, K, N], "<module>": [K, N]}.
-
-    Quantized linear modules (GPTQModel) are dequantized by the tool; transformers' fused experts
-    (gate_up_proj [E, 2I, H], down_proj [E, H, I], as compressed-tensors decompresses them on load) are split.
-    """
+    """GPTQModel's dequantized weights of one MoE block: {"experts.{proj}": [E, K, N], "<module>": [K, N]}."""
     import torch
     out = {}
     with torch.no_grad():
@@ -237,16 +237,8 @@ def dequantized_weights(block) -> dict:
             if hasattr(mod, "qweight") and hasattr(mod, "dequantize_weight"):
                 w = mod.dequantize_weight().float().numpy()
                 out[name] = w if w.shape == (mod.in_features, mod.out_features) else w.T
-            elif isinstance(getattr(mod, "gate_up_proj", None), torch.nn.Parameter) and mod.gate_up_proj.ndim == 3:
-                gu = mod.gate_up_proj.float().numpy()
-                i = gu.shape[1] // 2
-                out[f"{name}.gate_proj"] = gu[:, :i].transpose(0, 2, 1)
-                out[f"{name}.up_proj"] = gu[:, i:].transpose(0, 2, 1)
-                out[f"{name}.down_proj"] = mod.down_proj.float().numpy().transpose(0, 2, 1)
-            elif isinstance(mod, torch.nn.Linear) and hasattr(mod, "weight_packed"):
-                raise ValueError(f"{name}: still compressed after loading; expected decompressed weights")
             elif isinstance(mod, torch.nn.Linear) and name.split(".")[-1] in ("gate_proj", "up_proj", "down_proj"):
-                out[name] = mod.weight.float().numpy().T
+                out[name] = mod.weight.float().numpy().T  # a projection the quantize config left dense
     return _stack(out)
 
 
@@ -304,7 +296,10 @@ def make_gptqmodel(fx: Fixture, work: Path, dest: Path):
     from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
     src = work / "float"
     cfg = build_model(fx, src)
-    kw = dict(bits=fx.bits, group_size=fx.group_size, sym=fx.sym, desc_act=fx.desc_act)
+    # offload_to_disk=False: nothing to offload in a tiny model, and the saved config names no temporary folder
+    kw = dict(bits=fx.bits, group_size=fx.group_size, sym=fx.sym, desc_act=fx.desc_act, offload_to_disk=False)
+    if fx.dynamic:
+        kw["dynamic"] = fx.dynamic
     if fx.desc_act:
         kw["act_group_aware"] = False  # otherwise GPTQModel writes a group-ordered g_idx, not a permutation
     qcfg = QuantizeConfig(**kw)
@@ -389,7 +384,7 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
     block = moe_blocks(model, cfg)[fx.layer]
     x = block_input(fx)
     result = run_block(block, x)
-    dequant, modules = {}, {}
+    dequant = {}
     with torch.no_grad():
         for name, mod in block.named_modules():
             qs = getattr(mod, "quantization_scheme", None)
@@ -404,7 +399,8 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
     del model
     # The saved tensors must decode (independently of the tool) to the weights that produced y.
     index = dest / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
     tensors = {}
     for fname in files:
         with safe_open(dest / fname, framework="pt") as st:
@@ -436,9 +432,10 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
              f"(fake-quantized weights)",
              f"y recomputed in float32 from the dequantized weights and topk_ids/topk_weights: max rel err {err:.2e}",
              f"the saved pack-quantized tensors decode to those dequantized weights: max rel err {worst:.1e}",
-             f"transformers {transformers.__version__} AutoModelForCausalLM.from_pretrained(folder) gives y with max rel "
-             f"err {reload_err:.2e}" + ("" if reload_err < 2e-2 else
-                                        " (it does not read these expert tensors back: they stay randomly initialized)")]
+             f"transformers {transformers.__version__} AutoModelForCausalLM.from_pretrained(folder) gives y with max "
+             f"rel err {reload_err:.2e}"
+             + ("" if reload_err < 2e-2 else " (it does not read these expert tensors back: they stay randomly "
+                                              "initialized)")]
     write_sidecars(fx, dest, x, result, dequant, {"GPTQModifier.config_groups": scheme, "saved": saved}, cfg, notes)
     print("   " + "\n   ".join(notes[1:]))
     return err
