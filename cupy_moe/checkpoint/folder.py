@@ -29,6 +29,7 @@ class Checkpoint:
             raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         self.quant = find_quant_config(folder, self.config)
         self.index = TensorIndex(folder, lenient)
+        self._experts = None  # {layer: {expert: {proj}}}, built on first use
         try:
             self.scheme = scheme if scheme is not None else detect_scheme(self.config, self.index.names(), self.folder)
             if not isinstance(self.scheme, NamingScheme):
@@ -101,13 +102,12 @@ class Checkpoint:
 
     def experts_found(self, layer: int) -> dict[int, set]:
         """expert index -> set of proj names present among the tensors of `layer`."""
-        rx = self.scheme.expert_regex(layer)
-        found: dict[int, set] = {}
-        for name in self.index.names():
-            m = rx.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), set()).add(m.group(2))
-        return found
+        if self._experts is None:  # one pass over every name, for all layers
+            self._experts = {}
+            for m in self.scheme.expert_regex().finditer("\n".join(self.index.names())):
+                per_layer = self._experts.setdefault(int(m["layer"]), {})
+                per_layer.setdefault(int(m["expert"]), set()).add(m["proj"])
+        return {e: set(p) for e, p in self._experts.get(layer, {}).items()}
 
     def num_experts(self, layer: int) -> int:
         """E from config.json (checked against the tensors), else from the tensors."""

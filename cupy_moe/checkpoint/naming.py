@@ -83,20 +83,17 @@ class NamingScheme:
     def expert_module(self, layer: int, expert: int, proj: str) -> str:
         return self.experts.format(layer=layer, expert=expert, proj=proj)
 
-    def expert_regex(self, layer: int) -> re.Pattern:
-        """Matches tensor names of layer `layer`'s routed experts; group 1 = expert index, 2 = proj."""
+    def expert_regex(self) -> re.Pattern:
+        """Matches whole tensor names of routed experts, one per line of a newline-joined list; groups "layer",
+        "expert" and "proj"."""
         out = []
         for literal, field, _, _ in string.Formatter().parse(self.experts):
             out.append(re.escape(literal))
-            if field == "layer":
-                out.append(str(layer))
-            elif field == "expert":
-                out.append(r"(\d+)")
+            if field in ("layer", "expert"):
+                out.append(rf"(?P<{field}>\d+)")
             elif field == "proj":
-                out.append(r"([^.]+)")
-        return re.compile("".join(out) + r"\.[^.]+$")
-
-
+                out.append(r"(?P<proj>[^.\n]+)")
+        return re.compile("^" + "".join(out) + r"\.[^.\n]+$", re.M)
 
     def _pattern(self, fmt: str, tail: str) -> re.Pattern:
         """`fmt` over any layer/expert/proj as a regex of whole names (one per line of a joined list), + tail."""
