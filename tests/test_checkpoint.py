@@ -741,7 +741,7 @@ def test_inspect_reports_problems(ckpt):
                                     for s in ("qweight", "qzeros", "scales", "g_idx")])
     info = inspect_checkpoint(folder)
     assert info["layers"][0]["experts"] == "mixed"
-    assert info["problems"] == ["layer 0: expert modules with neither '.qweight' nor '.weight' (E=4) "
+    assert info["problems"] == ["expert modules with neither '.qweight' nor '.weight' "
                                 "(tensor 'model.layers.0.block_sparse_moe.experts.3.w2.qweight')"]
     (folder / "model-00002-of-00002.safetensors").unlink()
     problems = inspect_checkpoint(folder)["problems"]
@@ -764,8 +764,13 @@ def test_inspect_lists_a_truncated_file_and_missing_experts_once(ckpt):
     edit_checkpoint(folder, remove=[n for n in SafetensorsFile(folder / "model.safetensors").tensors
                                     if ".experts.3." in n])
     info = inspect_checkpoint(folder)
-    assert info["problems"] == [f"layer {i}: expert modules with neither '.qweight' nor '.weight' (E=4) "
-                                f"(3 tensors, e.g. 'model.layers.{i}.mlp.experts.3.gate_proj.qweight')" for i in (0, 1)]
+    assert info["problems"] == ["expert modules with neither '.qweight' nor '.weight' "
+                                "(6 tensors, e.g. 'model.layers.0.mlp.experts.3.gate_proj.qweight')"]
+    assert [row["experts_found"] for row in info["layers"]] == [3, 3]
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    info = inspect_checkpoint(folder)  # the config still names the family; the file is one problem
+    assert info["family"] == "qwen3_moe" and len(info["problems"]) == 2
+    assert info["problems"][0].startswith("model.safetensors: corrupt safetensors header (not valid JSON")
 
 
 def test_inspect_routing_sources(ckpt):

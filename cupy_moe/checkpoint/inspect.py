@@ -96,8 +96,7 @@ def _moe_layer(ckpt: Checkpoint, layer: int, broken: set, problems: _Problems) -
                     nbytes += info.nbytes
                     kind = storage.method if suffix == suffixes[0] else (kind or "dense")
             if kind is None:
-                problems.add(f"layer {layer}: expert modules with neither '.{suffixes[0]}' nor '.weight' "
-                             f"(E={e_count})", f"{mod}.{suffixes[0]}")
+                problems.add(f"expert modules with neither '.{suffixes[0]}' nor '.weight'", f"{mod}.{suffixes[0]}")
             elif kind != "unreadable":
                 kinds.add(kind)
     shared, shared_storage = 0, None
