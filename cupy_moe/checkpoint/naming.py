@@ -132,8 +132,7 @@ class NamingScheme:
         return next((role for role, pattern in self._role_patterns if pattern.match(name)), "other")
 
 
-_MIXTRAL_CONFIG = dict(num_experts_key="num_local_experts", intermediate_size_key="intermediate_size",
-                       renormalize=True)
+_MIXTRAL_CONFIG = dict(num_experts_key="num_local_experts", intermediate_size_key="intermediate_size")
 # Every naming real checkpoints use, per family; a family's first entry is its default (SCHEMES).
 NAMINGS: tuple[NamingScheme, ...] = (
     # transformers 4 Mixtral (AutoGPTQ, GPTQModel < 7, most Hub repositories).

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from .naming import NamingScheme
 
-__all__ = ["DEFAULTS", "resolve", "check", "describe_source"]
+__all__ = ["DEFAULTS", "ALWAYS", "resolve", "check", "describe_source"]
 
 # family -> {setting: default when config.json lacks the key}. "renormalize" reads config `norm_topk_prob`.
 DEFAULTS: dict[str, dict] = {
@@ -29,6 +29,8 @@ DEFAULTS: dict[str, dict] = {
     "deepseek_v3": dict(renormalize=True, scoring_func="sigmoid", topk_method="noaux_tc", routed_scaling_factor=2.5,
                         n_group=8, topk_group=4),
 }
+# family -> settings its model fixes whatever config.json says (Mixtral renormalizes, with no config key).
+ALWAYS: dict[str, set] = {"mixtral": {"renormalize"}}
 _GENERIC = dict(renormalize=False, scoring_func="softmax", topk_method="greedy", routed_scaling_factor=1.0)
 _KEYS = {"renormalize": "norm_topk_prob", "scoring_func": "scoring_func", "topk_method": "topk_method",
          "routed_scaling_factor": "routed_scaling_factor", "n_group": "n_group", "topk_group": "topk_group"}
@@ -68,7 +70,9 @@ def resolve(config: dict | None, scheme: NamingScheme, num_experts: int | None, 
         if name == "scoring_func" and scheme.scoring_func_default is not None:
             default = scheme.scoring_func_default
         if forced is not None:
-            out[name] = (forced, "always" if family in DEFAULTS else "scheme", key)
+            out[name] = (forced, "scheme", key)
+        elif name in ALWAYS.get(family, ()):
+            out[name] = (default, "always", key)
         elif cfg.get(key) is not None:
             out[name] = (cfg[key], "config", key)
         else:
