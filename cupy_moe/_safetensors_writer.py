@@ -15,7 +15,7 @@ from .checkpoint.safetensors import SafetensorsFile
 __all__ = ["ShardWriter", "edit_checkpoint"]
 
 # NumPy dtype name -> safetensors dtype name. bfloat16 is written from uint16 bit patterns.
-_ST_NAME = {"int32": "I32", "float16": "F16", "float32": "F32", "bfloat16": "BF16", "int64": "I64"}
+_ST_NAME = {"int32": "I32", "float16": "F16", "float32": "F32", "bfloat16": "BF16", "int64": "I64", "int8": "I8"}
 
 
 def _write_header(fh, header: dict):
@@ -77,7 +77,7 @@ def edit_checkpoint(path, *, replace: dict | None = None, remove: Iterable | Non
                     rename: Callable[[str], str] | None = None):
     """Rewrite the safetensors files of a checkpoint folder with some tensors replaced, removed or renamed.
 
-    replace: {tensor name: NumPy array} (int32/int64/float16/float32; new names go to the file of the
+    replace: {tensor name: NumPy array} (int8/int32/int64/float16/float32; new names go to the file of the
     first tensor). remove: tensor names to drop. rename: maps every remaining tensor name to its new name
     (applied last). The index (if any) is rewritten to match.
     Used by tests to build broken checkpoints (a wrong shape, a missing tensor, experts that differ).

@@ -320,7 +320,8 @@ class MoELayer:
                 group_score = first
             kept, _ = take_top(group_score, w.topk_group)                    # [M, topk_group]
             keep = (xp.arange(w.n_group)[None, :, None] == kept[:, None, :]).any(axis=2)  # [M, groups]
-            choice = xp.where(keep[:, :, None], per_group, -xp.inf).reshape(m, e)
+            # Experts of the other groups score 0, as in transformers' and DeepSeek's own routers.
+            choice = xp.where(keep[:, :, None], per_group, np.float32(0)).reshape(m, e)
         ids, _ = take_top(choice, w.top_k)
         ids = ids.astype(np.int32)
         weights = xp.take_along_axis(scores, ids, axis=1).astype(np.float32)

@@ -1,10 +1,11 @@
-"""Write genuine GPTQ (and AWQ GEMM) Mixture-of-Experts checkpoints for tests, examples and the demo.
+"""Write genuine GPTQ (AWQ GEMM, compressed-tensors) Mixture-of-Experts checkpoints for tests, examples, demo.
 
 No model is downloaded anywhere in cupy_moe: `write_checkpoint` makes random float weights, quantizes them with
 the reference round-to-nearest quantizer (`cupy_moe.reference.quantize`) and saves them the
 way AutoGPTQ / GPTQModel / AutoAWQ lay them out: each family's tensor names, config.json and
 quantize_config.json, GPTQ v1 or gptq_v2 zero points, sym or asym, act-order g_idx, bf16 scales, all-zero
-`.bias` tensors, shards that split one module's tensors across files, GPTQModel `dynamic` rules.
+`.bias` tensors, shards that split one module's tensors across files, GPTQModel `dynamic` rules; or the way
+llm-compressor saves compressed-tensors `pack-quantized` (W4A16/W8A16) checkpoints.
 It returns the float weights it quantized, so tests can compare what a loader reads back.
 
     from cupy_moe.testing import write_checkpoint
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import _packing, reference
 from ._safetensors_writer import ShardWriter, edit_checkpoint
-from .checkpoint.naming import SCHEMES
+from .checkpoint.naming import NAMINGS, SCHEMES
 from .checkpoint.safetensors import bf16_to_f32
 from .weights import expert_shapes
 
@@ -114,7 +115,7 @@ def _apply(base: dict, extra: dict | None) -> dict:
 def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidden: int = 64,
                      intermediate: int = 128, num_experts: int = 4, top_k: int = 2, bits: int = 4,
                      group_size: int = 32, sym: bool = True, desc_act: bool = False,
-                     checkpoint_format: str | None = None, quant_method: str = "gptq",
+                     checkpoint_format: str | None = None, quant_method: str = "gptq", naming: str | None = None,
                      scales_dtype: str = "float16", dense_dtype: str = "float16", zero_bias: bool = False,
                      bias: bool = False, shared_intermediate: int | None = None, quantize_shared: bool = True,
                      first_k_dense_replace: int | None = None, dense_intermediate: int | None = None,
@@ -131,7 +132,12 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     bits 2/3/4/8, group_size G or -1, sym, desc_act (act-order: a permuted, non-monotone g_idx per module).
     checkpoint_format: "gptq" (v1: stored zero - 1) or "gptq_v2" (real zeros); default "gptq" when sym,
         "gptq_v2" when asym. Asym v1 is written the way GPTQModel exports it (word-level subtract).
-    quant_method: "gptq" or "awq" (AWQ GEMM: qweight [K, N/8] packed along N, interleaved; 4-bit; no g_idx).
+    quant_method: "gptq", "awq" (AWQ GEMM: qweight [K, N/8] packed along N, interleaved; 4-bit; no g_idx) or
+        "compressed-tensors" (pack-quantized, bits 4/8: weight_packed [N, K*bits/32], weight_scale [N, R],
+        weight_zero_point [N*bits/32, R] when asym, weight_g_idx with desc_act (actorder "group"),
+        weight_shape; the config goes into config.json only, as llm-compressor writes it).
+    naming: which of the family's namings (checkpoint.naming.NAMINGS) to write, e.g. "mlp.gate_proj" for Mixtral as
+        GPTQModel on transformers 5 saves it; default the family's first.
     scales_dtype: "float16", "bfloat16" or "float32". dense_dtype: dtype of dense tensors (router, excluded
         modules): "float16", "bfloat16" or "float32".
     zero_bias: add an all-zero `.bias` [N] to every quantized module (AutoGPTQ <= 0.7.1 did).
@@ -158,7 +164,8 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     values that were quantized, or the stored values for dense ones); for every other tensor written (biases,
     e_score_correction_bias) its stored values as float32, keyed by tensor name.
     """
-    opt = _Options(family=family, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
+    scheme = _naming(family, naming)
+    opt = _Options(family=family, scheme=scheme, bits=bits, group_size=group_size, sym=sym, desc_act=desc_act,
                    fmt=checkpoint_format or ("gptq" if sym else "gptq_v2"), quant_method=quant_method,
                    scales_dtype=scales_dtype, dense_dtype=dense_dtype, zero_bias=zero_bias, bias=bias,
                    quantize_shared=quantize_shared, dynamic=dynamic, return_weights=return_weights,
@@ -171,7 +178,7 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
     for old in list(folder.glob("*.safetensors")) + list(folder.glob("*.json")):
         old.unlink()  # a rewrite must not leave stale shards or configs behind
 
-    modules, extras = _module_names(family, sizes)
+    modules, extras = _module_names(scheme, sizes)
     specs = [_quant_spec(opt, name, role) for name, _, _, role, _ in modules]
     plan = _tensor_plan(opt, modules, specs, extras)
     # Every module draws from its own generator: results do not depend on which thread ran what.
@@ -193,7 +200,7 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
 
     in_block = None
     if modules_in_block_to_quantize:
-        in_block = [[name[len(SCHEMES[family].block.format(layer=layer)) + 1:]
+        in_block = [[name[len(scheme.block.format(layer=layer)) + 1:]
                      for (name, _, _, _, layer), spec in zip(modules, specs) if spec is not None]]
     _write_configs(folder, family=family, num_layers=num_layers, h=hidden, i=intermediate, e_count=num_experts,
                    top_k=top_k, shared_intermediate=sizes.shared_intermediate if sizes.has_shared else None,
@@ -209,6 +216,7 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
 class _Options:
     """The write_checkpoint arguments that decide how each module is stored."""
     family: str
+    scheme: object  # the NamingScheme written
     bits: int
     group_size: int
     sym: bool
@@ -228,8 +236,11 @@ class _Options:
 def _check_options(opt: _Options, checkpoint_format, quant_config_files: str, num_shards: int):
     if opt.family not in FAMILIES:
         raise ValueError(f"family: expected one of {FAMILIES}, got {opt.family!r}")
-    if opt.quant_method not in ("gptq", "awq"):
-        raise ValueError(f"quant_method: expected 'gptq' or 'awq', got {opt.quant_method!r}")
+    if opt.quant_method not in ("gptq", "awq", "compressed-tensors"):
+        raise ValueError(f"quant_method: expected 'gptq', 'awq' or 'compressed-tensors', got {opt.quant_method!r}")
+    if opt.quant_method == "compressed-tensors" and (opt.bits not in (4, 8) or opt.dynamic):
+        raise ValueError(f"quant_method='compressed-tensors': expected bits 4 or 8 and no dynamic rules, got "
+                         f"bits={opt.bits}, dynamic={opt.dynamic!r}")
     if opt.fmt not in ("gptq", "gptq_v2"):
         raise ValueError(f"checkpoint_format: expected 'gptq' or 'gptq_v2', got {checkpoint_format!r}")
     if opt.quant_method == "awq" and (opt.bits != 4 or opt.desc_act):
@@ -279,14 +290,24 @@ def _sizes(family, num_layers, h, i, e_count, shared_intermediate, first_k_dense
                   n_shared, first_k_dense_replace, dense_intermediate or 2 * i)
 
 
-def _module_names(family: str, z: _Sizes) -> tuple[list, list]:
+def _naming(family: str, naming: str | None):
+    """The NamingScheme that write_checkpoint writes for `family` (its first naming unless `naming` names one)."""
+    if naming is None:
+        return SCHEMES.get(family)
+    found = [n for n in NAMINGS if n.family == family and n.naming == naming]
+    if not found:
+        known = [n.naming for n in NAMINGS if n.family == family and n.naming]
+        raise ValueError(f"naming: expected one of {known} for {family}, got {naming!r}")
+    return found[0]
+
+
+def _module_names(s, z: _Sizes) -> tuple[list, list]:
     """The family's tensor names, in write order.
 
     Returns (modules, extras): modules [(module name, K, N, role, layer)] with role "expert", "shared",
     "dense_mlp" (DeepSeek's dense first layers) or "dense" (router, shared expert gate: never quantized);
     extras [(tensor name, kind, shape)] for the other tensors (layer norms, DeepSeek-V3's score bias).
     """
-    s = SCHEMES[family]
     projs = (s.gate_proj, s.up_proj, s.down_proj)
     modules, extras = [], []
     for layer in range(z.num_layers):
@@ -332,8 +353,12 @@ def _tensor_plan(opt: _Options, modules: list, specs: list, extras: list) -> lis
         if spec is None:
             plan.append((f"{name}.weight", opt.dense_dtype, (n, k)))
         else:
-            b, g, _, _ = spec
+            b, g, sym, desc_act = spec
             shapes = expert_shapes(k, n, b, g)
+            if opt.quant_method == "compressed-tensors":  # every tensor [N, ...]
+                plan += _ct_plan(name, shapes, opt.scales_dtype, sym, desc_act and g != -1)
+                plan += [(f"{name}.bias", "float16", (n,))] if with_bias else []
+                continue
             if opt.quant_method == "awq":  # packed along N instead
                 plan.append((f"{name}.qweight", "int32", (k, n * b // 32)))
             else:
@@ -353,11 +378,11 @@ def _tensor_plan(opt: _Options, modules: list, specs: list, extras: list) -> lis
 def _act_order_g_idxs(opt: _Options, modules: list, specs: list, rng, same_gate_up_g_idx: bool) -> list:
     """The act-order g_idx of each module (None without desc_act). Gate and up of one MLP share their inputs,
     hence their act-order g_idx (unless same_gate_up_g_idx is False)."""
-    s = SCHEMES[opt.family]
+    s = opt.scheme
     g_idxs, act_orders = [], {}
     for (name, k, _, _, _), spec in zip(modules, specs):
         g_idx = None
-        if spec is not None and spec[3] and spec[1] != -1 and opt.quant_method == "gptq":  # desc_act, groups
+        if spec is not None and spec[3] and spec[1] != -1 and opt.quant_method != "awq":  # desc_act, groups
             shared_key = name.rsplit(".", 1)[1] in (s.gate_proj, s.up_proj) and same_gate_up_g_idx
             key = (name.rsplit(".", 1)[0], k, spec[1]) if shared_key else name
             if key not in act_orders:
@@ -415,6 +440,8 @@ def _quantized_tensors(name: str, w: np.ndarray, spec: tuple, fmt: str, quant_me
     bits, group_size, sym, _ = spec
     q = _quantize(w, bits, group_size, sym, g_idx)
     scales, _ = _store_float(q.scales.astype(np.float32), scales_dtype)
+    if quant_method == "compressed-tensors":
+        return _ct_tensors(name, w.shape, q, bits, sym, scales, g_idx is not None)
     if quant_method == "awq":
         codes = _packing.unpack(q.qweight, 4, axis=0)  # [K, N]
         zeros = _packing.unpack(_zeros_to_format(q, 4, "gptq_v2"), 4)  # real zeros [R, N]
@@ -426,7 +453,10 @@ def _quantized_tensors(name: str, w: np.ndarray, spec: tuple, fmt: str, quant_me
 def _write_configs(folder: Path, *, family, num_layers, h, i, e_count, top_k, shared_intermediate, n_shared,
                    first_k_dense_replace, dense_intermediate, bits, group_size, sym, desc_act, fmt, quant_method,
                    dynamic, dense_dtype, in_block, quant_config_files, extra_config, extra_quant_config):
-    if quant_method == "awq":
+    if quant_method == "compressed-tensors":
+        qcfg = _ct_config(bits, group_size, sym, desc_act)
+        quant_config_files = "config"  # llm-compressor writes config.json only
+    elif quant_method == "awq":
         qcfg = {"quant_method": "awq", "bits": bits, "group_size": group_size, "zero_point": True,
                 "version": "gemm", "modules_to_not_convert": None}
     else:
@@ -521,3 +551,44 @@ def dense_layer_output(layer, x) -> np.ndarray:
                 shared /= 1 + np.exp(-(xf[m] @ np.asarray(w.shared_gate_weight, np.float64)[0]))
             out[m] += shared
     return out
+
+
+# --------------------------------------------------------------------------- compressed-tensors (llm-compressor)
+
+
+def _ct_plan(name: str, shapes: dict, scales_dtype: str, sym: bool, g_idx: bool) -> list:
+    """[(tensor name, dtype, shape)] of one pack-quantized module: GPTQ's shapes transposed ([N, ...])."""
+    plan = [(f"{name}.weight_packed", "int32", shapes["qweight"][::-1]),
+            (f"{name}.weight_scale", scales_dtype, shapes["scales"][::-1])]
+    if not sym:
+        plan.append((f"{name}.weight_zero_point", "int32", shapes["qzeros"][::-1]))
+    if g_idx:
+        plan.append((f"{name}.weight_g_idx", "int32", shapes["g_idx"]))
+    return plan + [(f"{name}.weight_shape", "int64", (2,))]
+
+
+def _ct_tensors(name: str, kn: tuple, q: reference.QuantizedLinear, bits: int, sym: bool, scales: np.ndarray,
+                g_idx: bool) -> dict:
+    """One module as compressed-tensors packs it: signed values + 2**(bits-1), packed lowest first along K (the
+    weights, [N, K*bits/32]) or along N (the zero points, [N*bits/32, R]): GPTQ's words, transposed."""
+    out = {f"{name}.weight_packed": np.ascontiguousarray(q.qweight.T),
+           f"{name}.weight_scale": np.ascontiguousarray(scales.T)}
+    if not sym:
+        out[f"{name}.weight_zero_point"] = np.ascontiguousarray(_zeros_to_format(q, bits, "gptq_v2").T)
+    if g_idx:
+        out[f"{name}.weight_g_idx"] = q.g_idx.astype(np.int32)
+    out[f"{name}.weight_shape"] = np.array([kn[1], kn[0]], np.int64)  # [N, K] of the nn.Linear weight
+    return out
+
+
+def _ct_config(bits: int, group_size: int, sym: bool, desc_act: bool) -> dict:
+    """config.json['quantization_config'] of a W4A16/W8A16 pack-quantized checkpoint (llm-compressor's keys)."""
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "dynamic": False, "observer": "minmax",
+               "strategy": "channel" if group_size == -1 else "group",
+               "group_size": None if group_size == -1 else group_size,
+               "actorder": "group" if desc_act and group_size != -1 else None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": "pack-quantized"}},
+            "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$"],
+            "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}

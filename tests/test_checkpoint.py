@@ -6,6 +6,7 @@ H=64, I=128, E=4, G=32 unless a quirk needs others (partial last group, 3-bit mu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -720,8 +721,18 @@ def test_inspect_reads_headers_only(ckpt, family, monkeypatch):
     assert info["total_bytes"] == sum(f["bytes"] for f in info["files"])
     lay = info["layers"][-1]
     assert lay["experts_found"] == 4 and lay["experts"] == "gptq" and lay["expert_bytes"] > 0
-    assert lay["shared_experts"] == ("gptq" if family in SHARED else None)
-    assert info["problems"] == []
+    n_shared = {"qwen2_moe": 1, "deepseek_v2": 2, "deepseek_v3": 1}.get(family, 0)
+    assert lay["shared_experts"] == n_shared and lay["shared_storage"] == ("gptq" if n_shared else None)
+    assert [row["layer"] for row in info["layers"]] == [0, 1]  # dense layers listed among the MoE ones
+    assert info["layers"][0]["kind"] == ("dense" if family.startswith("deepseek") else "moe")
+    assert info["num_experts"] == 4 and info["problems"] == []
+    t = info["tensors"]
+    assert t["experts"]["I32"]["count"] == 2 * 4 * 3 * 3 // (2 if family.startswith("deepseek") else 1)
+    assert sum(d["bytes"] for role in t.values() for d in role.values()) == sum(
+        i.nbytes for f in info["files"] for i in SafetensorsFile(folder / f["name"]).tensors.values())
+    assert t["router"]["F16"]["count"] == (1 if family.startswith("deepseek") else 2)
+    assert bool(t["shared"]) == (n_shared > 0)
+    assert info["routing"]["top_k"] == {"value": 2, "source": "config.json num_experts_per_tok"}
 
 
 def test_inspect_reports_problems(ckpt):
@@ -730,9 +741,64 @@ def test_inspect_reports_problems(ckpt):
                                     for s in ("qweight", "qzeros", "scales", "g_idx")])
     info = inspect_checkpoint(folder)
     assert info["layers"][0]["experts"] == "mixed"
-    assert any("expert 3 has no 'model.layers.0.block_sparse_moe.experts.3.w2.qweight'" in p for p in info["problems"])
+    assert info["problems"] == ["expert modules with neither '.qweight' nor '.weight' "
+                                "(tensor 'model.layers.0.block_sparse_moe.experts.3.w2.qweight')"]
     (folder / "model-00002-of-00002.safetensors").unlink()
-    assert any("safetensors shard not found" in p for p in inspect_checkpoint(folder)["problems"])
+    problems = inspect_checkpoint(folder)["problems"]
+    assert len(problems) == 2, problems  # one missing shard: one line, not one per tensor; the missing expert
+    assert re.fullmatch(r".*model-00002-of-00002\.safetensors: safetensors shard not found: \d+ tensors of "
+                        r"model\.safetensors\.index\.json are in it", problems[0])
+
+
+def test_inspect_lists_a_truncated_file_and_missing_experts_once(ckpt):
+    folder, _ = ckpt(family="qwen3_moe", num_layers=2)
+    path = folder / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-3000])
+    info = inspect_checkpoint(folder)
+    assert len(info["problems"]) == 1
+    assert re.fullmatch(r"model\.safetensors: truncated safetensors file: tensors end past its \d+ bytes "
+                        r"\(\d+ tensors, e\.g\. '.*'\)", info["problems"][0])
+    with pytest.raises(ValueError, match="truncated safetensors file"):
+        load_layer_weights(folder, 1, device=False)
+    folder, _ = ckpt(family="qwen3_moe", num_layers=2)
+    edit_checkpoint(folder, remove=[n for n in SafetensorsFile(folder / "model.safetensors").tensors
+                                    if ".experts.3." in n])
+    info = inspect_checkpoint(folder)
+    assert info["problems"] == ["expert modules with neither '.qweight' nor '.weight' "
+                                "(6 tensors, e.g. 'model.layers.0.mlp.experts.3.gate_proj.qweight')"]
+    assert [row["experts_found"] for row in info["layers"]] == [3, 3]
+    (folder / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}")
+    info = inspect_checkpoint(folder)  # the config still names the family; the file is one problem
+    assert info["family"] == "qwen3_moe" and len(info["problems"]) == 2
+    assert info["problems"][0].startswith("model.safetensors: corrupt safetensors header (not valid JSON")
+
+
+def test_inspect_routing_sources(ckpt):
+    folder, _ = ckpt(family="deepseek_v3", num_layers=2, num_experts=8,
+                     extra_config=dict(topk_method=None, scoring_func=None, n_group=None, topk_group=2))
+    r = inspect_checkpoint(folder)["routing"]
+    assert r["topk_method"] == {"value": "noaux_tc",
+                                "source": "default for deepseek_v3 (config.json has no topk_method)"}
+    assert r["scoring_func"]["value"] == "sigmoid" and r["topk_group"]["source"] == "config.json topk_group"
+    assert r["n_group"] == {"value": 8, "source": "default for deepseek_v3 (config.json has no n_group)"}
+    folder, _ = ckpt(family="mixtral", extra_config=dict(norm_topk_prob=False))
+    info = inspect_checkpoint(folder)
+    assert info["routing"]["renormalize"] == {"value": True, "source": "always for mixtral"}
+    assert info["routing_error"] is None
+
+
+def test_inspect_refuses_a_folder_it_cannot_describe(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nowhere: checkpoint folder not found$"):
+        inspect_checkpoint(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"checkpoint folder not found \('mistralai/Mixtral-8x7B' looks "
+                                                r"like a Hugging Face repository id: download it first"):
+        inspect_checkpoint("mistralai/Mixtral-8x7B")
+    write_checkpoint(tmp_path / "ck", quant_config_files="quantize_config")
+    with pytest.raises(FileNotFoundError, match=r"model\.safetensors' is a file: pass the folder that holds it"):
+        inspect_checkpoint(tmp_path / "ck" / "model.safetensors")
+    (tmp_path / "ck" / "quantize_config.json").unlink()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(tmp_path / 'ck'))}: no quantization config"):
+        inspect_checkpoint(tmp_path / "ck")
 
 
 # --------------------------------------------------------------------------- memory

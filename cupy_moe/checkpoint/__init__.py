@@ -1,4 +1,4 @@
-"""Load the MoE layers of GPTQ (and AWQ GEMM) checkpoints from safetensors, lazily, one layer at a time.
+"""Load the MoE layers of GPTQ, AWQ GEMM and compressed-tensors checkpoints from safetensors, one layer at a time.
 
 A checkpoint is a folder with `config.json` and/or `quantize_config.json` and either `model.safetensors` or
 shards listed in `model.safetensors.index.json` (see docs/gptq_layout.md and docs/checkpoints.md).
@@ -14,16 +14,17 @@ shards listed in `model.safetensors.index.json` (see docs/gptq_layout.md and doc
 Shape letters: E experts, H hidden size, I expert intermediate size, K in-features, N out-features,
 G group size, R = ceil(K/G) groups.
 
-Modules, one per concern: `safetensors` (headers, tensors, the shard index), `quant_config` (GPTQ/AWQ configs,
-per-module overrides, storage formats), `naming` (per-family tensor names, family detection), `folder` (an open
+Modules, one per concern: `safetensors` (headers, tensors, the shard index), `quant_config` (GPTQ, AWQ and
+compressed-tensors configs, per-module overrides, storage formats), `naming` (every tensor naming of each family,
+family detection), `routing` (routing settings and each family's transformers defaults), `folder` (an open
 checkpoint: configs, layers, modules), `loading` (the loading plan and the loaders), `inspect`.
 """
 from .inspect import inspect_checkpoint
 from .loading import (MoELayerWeights, SharedExpertWeights, load_layer_weights, load_model_weights,
                       load_stacked)
-from .naming import SCHEMES, NamingScheme
+from .naming import NAMINGS, SCHEMES, NamingScheme
 
 __all__ = [
-    "NamingScheme", "SCHEMES", "MoELayerWeights", "SharedExpertWeights",
+    "NamingScheme", "NAMINGS", "SCHEMES", "MoELayerWeights", "SharedExpertWeights",
     "load_stacked", "load_layer_weights", "load_model_weights", "inspect_checkpoint",
 ]

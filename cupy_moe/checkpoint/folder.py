@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .naming import NamingScheme, detect_scheme
+from .naming import NamingScheme, config_value, detect_scheme
 from .quant_config import Quant, find_quant_config
 from .safetensors import TensorIndex, read_json
 
@@ -18,17 +18,18 @@ __all__ = ["Checkpoint", "Module"]
 class Checkpoint:
     """An open checkpoint folder: configs, naming scheme, tensor index and lazily opened files."""
 
-    def __init__(self, path, scheme: NamingScheme | None = None):
+    def __init__(self, path, scheme: NamingScheme | None = None, lenient: bool = False):
         folder = Path(path)
         if not folder.is_dir():
-            raise FileNotFoundError(f"{folder}: checkpoint folder not found")
+            raise FileNotFoundError(f"{folder}: checkpoint folder not found{_hint(path, folder)}")
         self.folder = folder
         cfg_path = folder / "config.json"
         self.config = read_json(cfg_path) if cfg_path.exists() else None
         if self.config is not None and not isinstance(self.config, dict):
             raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
         self.quant = find_quant_config(folder, self.config)
-        self.index = TensorIndex(folder)
+        self.index = TensorIndex(folder, lenient)
+        self._experts = None  # {layer: {expert: {proj}}}, built on first use
         try:
             self.scheme = scheme if scheme is not None else detect_scheme(self.config, self.index.names(), self.folder)
             if not isinstance(self.scheme, NamingScheme):
@@ -49,6 +50,10 @@ class Checkpoint:
     # ----------------------------------------------------------- family and sizes
     def cfg(self, key: str, default=None):
         return (self.config or {}).get(key, default)
+
+    def cfg_size(self, key: str) -> tuple:
+        """(value, key found) of a size key, its CONFIG_SYNONYMS spellings included; (None, None) if absent."""
+        return config_value(self.config, key)
 
     def num_layers(self) -> int | None:
         n = self.cfg("num_hidden_layers")
@@ -97,19 +102,17 @@ class Checkpoint:
 
     def experts_found(self, layer: int) -> dict[int, set]:
         """expert index -> set of proj names present among the tensors of `layer`."""
-        rx = self.scheme.expert_regex(layer)
-        found: dict[int, set] = {}
-        for name in self.index.names():
-            m = rx.match(name)
-            if m:
-                found.setdefault(int(m.group(1)), set()).add(m.group(2))
-        return found
+        if self._experts is None:  # one pass over every name, for all layers
+            self._experts = {}
+            for m in self.scheme.expert_regex().finditer("\n".join(self.index.names())):
+                per_layer = self._experts.setdefault(int(m["layer"]), {})
+                per_layer.setdefault(int(m["expert"]), set()).add(m["proj"])
+        return {e: set(p) for e, p in self._experts.get(layer, {}).items()}
 
     def num_experts(self, layer: int) -> int:
         """E from config.json (checked against the tensors), else from the tensors."""
         found = self.experts_found(layer)
-        key = self.scheme.num_experts_key
-        e = self.cfg(key)
+        e, key = self.cfg_size(self.scheme.num_experts_key)
         if isinstance(e, int) and not isinstance(e, bool):
             extra = sorted(i for i in found if i >= e)
             if extra:
@@ -128,13 +131,15 @@ class Checkpoint:
         return self.index.get(name)
 
     def module(self, name: str, layer: int) -> "Module":
-        """How module `name` is stored: quantized (GPTQ/AWQ) or dense, after the config and tensors agree."""
+        """How module `name` is stored: quantized (GPTQ, AWQ, compressed-tensors) or dense, after the config and
+        tensors agree."""
         quant, rule = self.quant.module(name, self.scheme.block.format(layer=layer))
-        qweight = self.tensor(name + ".qweight")
+        qname = self.quant.base.storage.tensor(name, "qweight")
+        qweight = self.tensor(qname)
         weight = self.tensor(name + ".weight")
         if qweight is not None:
             if quant is None:
-                raise ValueError(f"{qweight[0].label}: tensor '{name}.qweight' exists, but {rule} says module "
+                raise ValueError(f"{qweight[0].label}: tensor '{qname}' exists, but {rule} says module "
                                  f"'{name}' is not quantized (the config contradicts the tensors)")
             return Module(name, quant, qweight, rule)
         if weight is not None:
@@ -142,15 +147,27 @@ class Checkpoint:
                 raise ValueError(f"{weight[0].label}: module '{name}' is stored dense ('{name}.weight'), but {rule} "
                                  f"quantizes it ({quant.describe()}): the config contradicts the tensors")
             return Module(name, None, weight, rule or "only '.weight' in the checkpoint")
-        raise ValueError(f"module '{name}': neither '{name}.qweight' (quantized) nor '{name}.weight' (dense) is in "
+        raise ValueError(f"module '{name}': neither '{qname}' (quantized) nor '{name}.weight' (dense) is in "
                          f"the checkpoint ({self.index.source})")
+
+
+def _hint(path, folder: Path) -> str:
+    """What a user who passed the wrong thing probably meant."""
+    if folder.is_file():
+        return f" ('{folder}' is a file: pass the folder that holds it, '{folder.parent}')"
+    text = str(path)
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith("."):
+        return (f" ('{text}' looks like a Hugging Face repository id: download it first, e.g. "
+                f"`hf download {text} --local-dir DIR` or `huggingface-cli download {text} --local-dir DIR`, "
+                f"then pass DIR)")
+    return ""
 
 
 @dataclass
 class Module:
     name: str
     quant: Quant | None  # None: dense .weight
-    main: tuple  # (file, info) of .qweight or .weight
+    main: tuple  # (file, info) of the packed weight (.qweight, .weight_packed) or .weight
     rule: str | None = None  # why it is dense / which dynamic rule quantized it
 
     @property

@@ -23,6 +23,7 @@ import numpy as np
 
 from .. import _packing, _xp
 from ..weights import StackedGptqWeight, expert_shapes, group_len, stacked_shapes
+from . import routing
 from .folder import Checkpoint, Module
 from .naming import NamingScheme
 from .quant_config import Quant
@@ -32,8 +33,13 @@ __all__ = ["MoELayerWeights", "SharedExpertWeights", "load_stacked", "load_layer
 
 
 def _real_zeros(raw: np.ndarray, quant: Quant) -> np.ndarray:
-    """Stored qzeros int32 [R, N*bits/32] -> real zero points uint8 [R, N]."""
+    """Stored zero points -> real zero points uint8 [R, N]: qzeros int32 [R, N*bits/32] (GPTQ, AWQ), or
+    compressed-tensors' weight_zero_point, int32 [N*bits/32, R] packed along N or int8 [N, R] (value - 2**(bits-1))."""
     zeros = quant.storage.zeros
+    if quant.storage.transposed:
+        if raw.dtype == np.int8:
+            return (raw.astype(np.int16) + (1 << (quant.bits - 1))).astype(np.uint8).T
+        return _packing.unpack(np.ascontiguousarray(raw.T), quant.bits)
     if zeros == "awq":
         return _packing.awq_deinterleave(_packing.unpack(raw, 4))
     return _packing.unpack(_packing.v1_to_real(raw, quant.bits) if zeros == "v1" else raw, quant.bits)
@@ -85,6 +91,8 @@ def _module_kn(mod: Module) -> tuple[int, int]:
         return shape[1], shape[0]  # nn.Linear.weight [N, K]
     if q.storage.packed_along_n:
         return shape[0], shape[1] * 32 // q.bits  # [K, N*bits/32]
+    if q.storage.transposed:
+        return shape[1] * 32 // q.bits, shape[0]  # [N, K*bits/32]
     return shape[0] * 32 // q.bits, shape[1]  # [K*bits/32, N]
 
 
@@ -125,15 +133,27 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
                                      f"to pack {b}-bit values ({source})")
                 want = expert_shapes(k, n, b, quant.group_size)
                 sizes = f"bits={b}, group_size={quant.group_size}, {why}"
+                name = lambda role: fmt.tensor(m.name, role)  # noqa: E731
                 if fmt.packed_along_n:
-                    _expect(ckpt, m.name + ".qweight", ("I32",), (k, n * b // 32), f"AWQ [K, N*bits/32], {sizes}")
+                    _expect(ckpt, name("qweight"), ("I32",), (k, n * b // 32), f"AWQ [K, N*bits/32], {sizes}")
+                elif fmt.transposed:
+                    _expect(ckpt, name("qweight"), ("I32",), want["qweight"][::-1], f"[N, K*bits/32], {sizes}")
                 else:
-                    _expect(ckpt, m.name + ".qweight", ("I32",), want["qweight"], f"[K*bits/32, N], {sizes}")
-                _expect(ckpt, m.name + ".qzeros", ("I32",), want["qzeros"], f"[ceil(K/G), N*bits/32], {sizes}",
-                        required=fmt.zeros_always or not quant.sym)
-                _expect(ckpt, m.name + ".scales", FLOATS, want["scales"], f"[ceil(K/G), N], {sizes}")
+                    _expect(ckpt, name("qweight"), ("I32",), want["qweight"], f"[K*bits/32, N], {sizes}")
+                if fmt.transposed:
+                    zt = ckpt.tensor(name("qzeros"))
+                    unpacked = zt is not None and zt[1].dtype == "I8"
+                    _expect(ckpt, name("qzeros"), ("I8",) if unpacked else ("I32",),
+                            want["scales"][::-1] if unpacked else want["qzeros"][::-1],
+                            f"{'[N, R]' if unpacked else '[N*bits/32, R]'}, {sizes}", required=not quant.sym)
+                    _expect(ckpt, name("scales"), FLOATS, want["scales"][::-1], f"[N, ceil(K/G)], {sizes}")
+                    _expect(ckpt, f"{m.name}.{fmt.shape_tensor}", ("I32", "I64"), (2,), "[N, K]", required=False)
+                else:
+                    _expect(ckpt, name("qzeros"), ("I32",), want["qzeros"], f"[ceil(K/G), N*bits/32], {sizes}",
+                            required=fmt.zeros_always or not quant.sym)
+                    _expect(ckpt, name("scales"), FLOATS, want["scales"], f"[ceil(K/G), N], {sizes}")
                 if fmt.g_idx:
-                    has_g_idx |= _expect(ckpt, m.name + ".g_idx", ("I32", "I64"), want["g_idx"], f"[K], {sizes}",
+                    has_g_idx |= _expect(ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"], f"[K], {sizes}",
                                          required=False) is not None
             has_bias |= _expect(ckpt, m.name + ".bias", FLOATS, (n,), f"[N], {why}", required=False) is not None
     return _Plan(label, mods, k, list(ns), quant, has_g_idx, has_bias)
@@ -180,19 +200,25 @@ def _load_plan(ckpt: Checkpoint, plan: _Plan, device: bool):
                 f, info = ckpt.tensor(m.name + ".weight")
                 dense[e, :, n0:n1] = as_float(f, info).T  # nn.Linear [N, K] -> W [K, N]
                 continue
-            f, info = ckpt.tensor(m.name + ".qweight")
-            if q.storage.packed_along_n:
+            fmt = q.storage
+            f, info = ckpt.tensor(fmt.tensor(m.name, "qweight"))
+            if fmt.packed_along_n:
                 _awq_qweight_into(f, info, qweight[e, :, n0:n1])
+            elif fmt.transposed:
+                qweight[e, :, n0:n1] = f.read(info).T  # [N, K*bits/32] -> GPTQ's [K*bits/32, N], same words
+                _check_shape_tensor(ckpt, f"{m.name}.{fmt.shape_tensor}", k, n1 - n0)
             elif whole:
                 f.read_into(info, qweight[e])
             else:
                 qweight[e, :, n0:n1] = f.read(info)
-            f, info = ckpt.tensor(m.name + ".scales")
-            if info.dtype == "F16" and whole:
+            f, info = ckpt.tensor(fmt.tensor(m.name, "scales"))
+            if fmt.transposed:
+                scales[e, :, n0:n1] = _to_fp16(as_float(f, info).T, f, info.name)
+            elif info.dtype == "F16" and whole:
                 f.read_into(info, scales[e])
             else:
                 scales[e, :, n0:n1] = _to_fp16(as_float(f, info), f, info.name)
-            zt = ckpt.tensor(m.name + ".qzeros")
+            zt = ckpt.tensor(fmt.tensor(m.name, "qzeros"))
             if zt is None:  # symmetric GPTQ without qzeros
                 zeros[e, :, n0:n1] = 1 << (q.bits - 1)
             else:
@@ -201,7 +227,7 @@ def _load_plan(ckpt: Checkpoint, plan: _Plan, device: bool):
                 zeros[e, :, n0:n1] = _real_zeros(raw, q)
                 _check_sym_zeros(f, info, raw, q)
             if g_idx is not None:
-                gt = ckpt.tensor(m.name + ".g_idx")
+                gt = ckpt.tensor(fmt.tensor(m.name, "g_idx"))
                 if gt is None:
                     g = default_g
                 else:
@@ -212,10 +238,10 @@ def _load_plan(ckpt: Checkpoint, plan: _Plan, device: bool):
                 if j == 0:
                     g_idx[e] = g
                 elif not np.array_equal(g_idx[e], g):
-                    first = row[0].name
-                    raise ValueError(f"{gt[0].label if gt else m.where}: tensor '{m.name}.g_idx' differs from "
-                                     f"'{first}.g_idx': {plan.label} stacks both along N and keeps one g_idx per "
-                                     f"expert, so gate and up must share their act-order groups")
+                    first = fmt.tensor(row[0].name, "g_idx")
+                    raise ValueError(f"{gt[0].label if gt else m.where}: tensor '{fmt.tensor(m.name, 'g_idx')}' "
+                                     f"differs from '{first}': {plan.label} stacks both along N and keeps one g_idx "
+                                     f"per expert, so gate and up must share their act-order groups")
     if bias is not None and not bias.any():
         bias = None  # AutoGPTQ <= 0.7.1 wrote all-zero biases for every layer: nothing to apply
     if q is None:
@@ -229,6 +255,16 @@ def _load_plan(ckpt: Checkpoint, plan: _Plan, device: bool):
     if device:
         weight = weight.to_device()  # one host-to-device copy per stacked tensor (_xp.to_device)
     return weight, _put(bias, device)
+
+
+def _check_shape_tensor(ckpt: Checkpoint, name: str, k: int, n: int):
+    """compressed-tensors' weight_shape [2] (the unpacked [N, K]) must agree with the packed tensors."""
+    got = ckpt.tensor(name)
+    if got is not None:
+        shape = [int(v) for v in got[0].read(got[1])]
+        if shape != [n, k]:
+            raise ValueError(f"{got[0].label}: tensor '{name}' says {shape}, but the packed tensors hold [N, K] = "
+                             f"[{n}, {k}]")
 
 
 def _check_sym_zeros(f: SafetensorsFile, info: TensorInfo, raw: np.ndarray, q: Quant):
@@ -369,8 +405,9 @@ class MoELayerWeights:
         sigmoid(x @ shared_gate_weight.T)) or None.
     top_k A; renormalize: divide the top-k weights by their sum (Mixtral always; others config norm_topk_prob);
     scoring_func: "softmax" or "sigmoid"; routed_scaling_factor: multiplies the routed output (DeepSeek; 1.0
-        otherwise); topk_method, n_group, topk_group: DeepSeek group-limited routing, as in config.json (None
-        when absent); hidden_act: the config's activation ("silu" for every supported family).
+        otherwise); topk_method ("greedy", "group_limited_greedy", "noaux_tc"), n_group, topk_group: DeepSeek
+        group-limited routing; hidden_act: the config's activation ("silu" for every supported family).
+        Each comes from config.json or, when absent, from the family's transformers default (routing.py).
     All arrays NumPy (device=False) or CuPy (device=True).
     """
     family: str
@@ -412,21 +449,11 @@ def _dense_tensor(ckpt: Checkpoint, name: str, shape: tuple, why: str, device: b
     return _put(x.astype(np.float32) if as_f32 else x, device)
 
 
-def _routing(ckpt: Checkpoint) -> dict:
-    s = ckpt.scheme
-    top_k = ckpt.cfg(s.top_k_key)
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"config.json {s.top_k_key}: expected a positive int (experts per token), got {top_k!r}")
-    renorm = s.renormalize
-    if renorm is None:
-        renorm = ckpt.cfg("norm_topk_prob", s.norm_topk_prob_default)
-    scoring = ckpt.cfg("scoring_func", s.scoring_func_default)
-    if scoring not in ("softmax", "sigmoid"):
-        raise ValueError(f"config.json scoring_func: expected 'softmax' or 'sigmoid', got {scoring!r}")
-    return dict(top_k=top_k, renormalize=bool(renorm), scoring_func=scoring,
-                routed_scaling_factor=float(ckpt.cfg("routed_scaling_factor", 1.0) or 1.0),
-                topk_method=ckpt.cfg("topk_method"), n_group=ckpt.cfg("n_group"), topk_group=ckpt.cfg("topk_group"),
-                hidden_act=ckpt.cfg("hidden_act", "silu"))
+def _routing(ckpt: Checkpoint, num_experts: int) -> dict:
+    """The layer's routing settings (config.json, else the family's transformers defaults: routing.py)."""
+    out = {name: value for name, (value, _, _) in routing.resolve(ckpt.config, ckpt.scheme, num_experts).items()}
+    out["routed_scaling_factor"] = float(out["routed_scaling_factor"])
+    return out
 
 
 def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
@@ -436,11 +463,11 @@ def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
                                 f"settings ({s.top_k_key}, norm_topk_prob) from it")
     ckpt.check_layer(layer)
     layer = int(layer)
-    routing = _routing(ckpt)
     # Plan everything (headers only) before reading: a bad tensor anywhere fails before any allocation.
     w13_plan = _projection_plan(ckpt, layer, "w13")
     w2_plan = _projection_plan(ckpt, layer, "w2")
     e_count, h, i = len(w13_plan.modules), w13_plan.k, w13_plan.ns[0]
+    settings = _routing(ckpt, e_count)
     plans = [w13_plan, w2_plan]
     shared_plans = None
     if s.shared_experts is not None:
@@ -448,7 +475,8 @@ def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
         if i_cfg is None and isinstance(ckpt.cfg("n_shared_experts"), int):  # DeepSeek: merged shared experts
             i_cfg = ckpt.cfg("n_shared_experts") * i
         down_name = s.shared_experts.format(layer=layer, proj=s.down_proj)
-        present = ckpt.tensor(down_name + ".qweight") or ckpt.tensor(down_name + ".weight")
+        present = (ckpt.tensor(ckpt.quant.base.storage.tensor(down_name, "qweight"))
+                   or ckpt.tensor(down_name + ".weight"))
         if (i_cfg or 0) > 0 or (i_cfg is None and present):
             gate_up = [[ckpt.module(s.shared_experts.format(layer=layer, proj=p), layer)
                         for p in (s.gate_proj, s.up_proj)]]
@@ -464,9 +492,10 @@ def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
     if device:
         _xp.require_gpu("load_moe_layer(device=True)")
     router_name = s.router.format(layer=layer)
-    if ckpt.tensor(router_name + ".qweight") is not None:
-        raise ValueError(f"{ckpt.tensor(router_name + '.qweight')[0].label}: the router '{router_name}' is quantized "
-                         f"('.qweight'); cupy_moe expects a dense router '{router_name}.weight' [E, H]")
+    router_q = ckpt.quant.base.storage.tensor(router_name, "qweight")
+    if ckpt.tensor(router_q) is not None:
+        raise ValueError(f"{ckpt.tensor(router_q)[0].label}: the router '{router_name}' is quantized "
+                         f"('{router_q}'); cupy_moe expects a dense router '{router_name}.weight' [E, H]")
     _expect(ckpt, router_name + ".weight", FLOATS, (e_count, h), f"router [E, H], E={e_count}, H={h}")
     sbias = s.score_bias.format(layer=layer) if s.score_bias else None
     if sbias:
@@ -492,7 +521,7 @@ def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
         e_score_correction_bias=_dense_tensor(ckpt, sbias, (e_count,), "[E]", device, True) if sbias else None,
         shared=shared_w,
         shared_gate_weight=_dense_tensor(ckpt, sgate + ".weight", (1, h), "[1, H]", device) if sgate else None,
-        **routing)
+        **settings)
 
 
 def load_layer_weights(path, layer: int, *, device: bool = True,

@@ -29,6 +29,11 @@ class StorageFormat:
         nibble order).
     zeros_always: qzeros are stored even for symmetric weights (GPTQ may omit them when sym).
     g_idx: modules may carry an act-order `.g_idx` [K].
+    transposed: every tensor is stored [N, ...] (compressed-tensors): qweight [N, K*bits/32] packed along K,
+        scales [N, R], zero points [N*bits/32, R] packed along N (or int8 [N, R] unpacked, older files).
+        Packed words hold values + 2**(bits-1) lowest first, as GPTQ's, so a transpose gives GPTQ's words.
+    suffixes: the tensor name suffixes of (qweight, qzeros, scales, g_idx) after the module name.
+    shape_tensor: suffix of a tensor holding the unpacked [N, K] (compressed-tensors' weight_shape), or None.
     """
     name: str
     method: str
@@ -36,19 +41,30 @@ class StorageFormat:
     zeros: str = "real"
     zeros_always: bool = False
     g_idx: bool = True
+    transposed: bool = False
+    suffixes: tuple = ("qweight", "qzeros", "scales", "g_idx")
+    shape_tensor: str | None = None
+
+    def tensor(self, module: str, role: str) -> str:
+        """Tensor name of `role` ("qweight", "qzeros", "scales" or "g_idx") of `module` in this format."""
+        return f"{module}.{self.suffixes[('qweight', 'qzeros', 'scales', 'g_idx').index(role)]}"
 
 
 FORMATS = {f.name: f for f in (
     StorageFormat("gptq", "gptq", zeros="v1"),
     StorageFormat("gptq_v2", "gptq"),
     StorageFormat("awq", "awq", packed_along_n=True, zeros="awq", zeros_always=True, g_idx=False),
+    StorageFormat("pack-quantized", "compressed-tensors", transposed=True,
+                  suffixes=("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx"),
+                  shape_tensor="weight_shape"),
 )}
 _GPTQ_FORMATS = tuple(f.name for f in FORMATS.values() if f.method == "gptq")
 
 
 @dataclass(frozen=True)
 class Quant:
-    """How one module is quantized. fmt: a FORMATS name: "gptq" (v1 zeros), "gptq_v2" (real zeros) or "awq"."""
+    """How one module is quantized. fmt: a FORMATS name: "gptq" (v1 zeros), "gptq_v2" (real zeros), "awq" or
+    "pack-quantized" (compressed-tensors)."""
     bits: int
     group_size: int
     sym: bool
@@ -77,15 +93,20 @@ class QuantConfig:
     in_block: frozenset | None  # flattened modules_in_block_to_quantize
     not_convert: tuple  # AWQ/transformers modules_to_not_convert (substrings)
     raw: dict
+    labels: dict = dataclasses.field(default_factory=dict)  # pattern -> how to name its rule in messages
+    default_dense: bool = False  # modules no rule names stay dense (compressed-tensors without a Linear group)
+
+    def _rule(self, pattern: str) -> str:
+        return self.labels.get(pattern) or f"dynamic rule '{pattern}' in {self.source}"
 
     def module(self, name: str, block: str) -> tuple[Quant | None, str | None]:
         """(quantization of module `name`, or None if the config says it stays dense; the deciding rule)."""
         for pattern, overrides in self.dynamic:
             if pattern.startswith("-:"):
                 if re.match(pattern[2:], name):
-                    return None, f"dynamic rule '{pattern}' in {self.source}"
+                    return None, self._rule(pattern)
             elif re.match(pattern[2:] if pattern.startswith("+:") else pattern, name):
-                rule = f"dynamic rule '{pattern}' in {self.source}"
+                rule = self._rule(pattern)
                 q = self.base
                 return dataclasses.replace(
                     q, bits=int(overrides.get("bits", q.bits)), group_size=int(overrides.get("group_size",
@@ -99,6 +120,8 @@ class QuantConfig:
         for sub in self.not_convert:
             if sub in name:
                 return None, f"modules_to_not_convert entry '{sub}' in {self.source}"
+        if self.default_dense:
+            return None, f"no config_groups target in {self.source}"
         return self.base, None
 
 
@@ -186,7 +209,109 @@ def _parse_gptq(raw: dict, source: str) -> QuantConfig:
     return QuantConfig(base, source, tuple(rules), in_block, (), raw)
 
 
-_PARSERS = {"gptq": _parse_gptq, "awq": _parse_awq}  # quant_method -> parser
+# compressed-tensors (llm-compressor): formats other than pack-quantized, by what they hold.
+_CT_OTHER_FORMATS = {
+    "float-quantized": "FP8 weights", "naive-quantized": "unpacked int8 weights", "int-quantized":
+    "int8 weights with int8 activations (W8A8)", "marlin-24": "2:4-sparse Marlin weights",
+    "sparse-24-bitmask": "2:4-sparse weights", "sparse-bitmask": "sparse weights", "nvfp4-pack-quantized":
+    "NVFP4 weights", "mxfp4-pack-quantized": "MXFP4 weights", "dense": "unquantized weights"}
+
+
+def _ct_group(source: str, name: str, group: dict, global_fmt) -> Quant:
+    """The Quant of one compressed-tensors config group, or ValueError naming the setting we do not run."""
+    where = f"config_groups['{name}']"
+    if not isinstance(group, dict):
+        raise ValueError(f"{source}: {where}: expected an object, got {group!r}")
+    fmt = group.get("format") or global_fmt
+    if fmt != "pack-quantized":
+        _refuse(source, f"{where} format={fmt!r}", f"{_CT_OTHER_FORMATS.get(fmt, 'an unknown format')}; cupy_moe "
+                "runs compressed-tensors 'pack-quantized' int weights with float activations (W4A16, W8A16)")
+    for act in ("input_activations", "output_activations"):
+        if group.get(act):
+            _refuse(source, f"{where} {act}={group[act]!r}", "quantized activations (W8A8, W4A8, FP8) need "
+                    "activation quantization, which cupy_moe does not do (W4A16/W8A16 have them null)")
+    w = group.get("weights")
+    if not isinstance(w, dict):
+        _refuse(source, f"{where} weights={w!r}", "a group without weight quantization cannot be mapped")
+    if w.get("type", "int") != "int":
+        _refuse(source, f"{where} weights.type={w.get('type')!r}", "only int weights are packed (FP8/FP4 are not)")
+    if w.get("dynamic"):
+        _refuse(source, f"{where} weights.dynamic={w['dynamic']!r}", "weights need static scales")
+    strategy = w.get("strategy")
+    if strategy == "group":
+        group_size = w.get("group_size")
+    elif strategy == "channel":
+        group_size = -1
+    else:
+        _refuse(source, f"{where} weights.strategy={strategy!r}", "expected 'group' or 'channel' (one scale "
+                "per group of K or per output channel)")
+    bits = w.get("num_bits")
+    if bits not in (4, 8):
+        _refuse(source, f"{where} weights.num_bits={bits!r}", "pack-quantized weights here have 4 or 8 bits")
+    _check_bits_gs(source, bits, group_size, f"{where} weights.")
+    sym = w.get("symmetric", True)
+    if not isinstance(sym, bool):
+        raise ValueError(f"{source}: {where} weights.symmetric: expected true or false, got {sym!r}")
+    actorder = w.get("actorder")
+    if actorder not in (None, False, True, "group", "weight", "static", "dynamic"):
+        _refuse(source, f"{where} weights.actorder={actorder!r}", "expected null, 'group', 'weight' or 'static'")
+    return Quant(bits, group_size, sym, actorder not in (None, False), "pack-quantized")
+
+
+def _ct_pattern(target: str) -> str | None:
+    """A compressed-tensors target or ignore entry as a regular expression over module names (None: "Linear")."""
+    if target == "Linear":
+        return None
+    if target.startswith("re:"):
+        return target[3:]
+    return re.escape(target) + "$"  # a module name (class names other than Linear cannot be mapped)
+
+
+def _parse_compressed_tensors(raw: dict, source: str) -> QuantConfig:
+    status = raw.get("quantization_status", "compressed")
+    if status != "compressed":
+        _refuse(source, f"quantization_status={status!r}", "only 'compressed' checkpoints store packed weights")
+    sparsity = raw.get("sparsity_config") or {}
+    if isinstance(sparsity, dict) and sparsity.get("format", "dense") != "dense":
+        _refuse(source, f"sparsity_config format={sparsity.get('format')!r}", "sparse (2:4) weights need a sparse "
+                "kernel, which cupy_moe does not have")
+    if raw.get("transform_config"):
+        _refuse(source, "transform_config", "rotated weights need the rotation applied to the activations")
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{source}: config_groups: expected an object of quantization groups, got {groups!r}")
+    global_fmt = raw.get("format")
+    rules, labels, base = [], {}, None
+    for entry in raw.get("ignore") or ():
+        pattern = "-:" + _ct_pattern(str(entry)) if entry != "Linear" else "-:.*"
+        rules.append((pattern, {}))
+        labels[pattern] = f"ignore entry '{entry}' in {source}"
+    quants = {}
+    for name, group in groups.items():
+        quants[name] = q = _ct_group(source, name, group, global_fmt)
+        targets = group.get("targets") or ()
+        for target in targets:
+            if not isinstance(target, str) or (target != "Linear" and not target.startswith("re:")
+                                               and "." not in target):
+                raise ValueError(f"{source}: config_groups['{name}'] targets {target!r}: cannot be mapped to tensor "
+                                 f"names (expected 'Linear', 're:<regex>' or a module name)")
+            pattern = _ct_pattern(target)
+            if pattern is None:
+                if base is not None:
+                    raise ValueError(f"{source}: config_groups['{name}'] targets 'Linear', as another group does: "
+                                     f"which one quantizes a module is ambiguous")
+                base = q
+                continue
+            overrides = {"bits": q.bits, "group_size": q.group_size, "sym": q.sym, "desc_act": q.desc_act}
+            rules.append(("+:" + pattern, overrides))
+            labels["+:" + pattern] = f"config_groups['{name}'] target '{target}' in {source}"
+    default_dense = base is None
+    base = base or next(iter(quants.values()))
+    return QuantConfig(base, source, tuple(rules), None, (), raw, labels, default_dense)
+
+
+_PARSERS = {"gptq": _parse_gptq, "awq": _parse_awq,
+            "compressed-tensors": _parse_compressed_tensors}  # quant_method -> parser
 
 
 def parse_quant_config(raw: dict, source: str) -> QuantConfig:
@@ -209,5 +334,6 @@ def find_quant_config(folder: Path, config: dict | None) -> QuantConfig:
     if config is not None and config.get("quantization_config") is not None:
         return parse_quant_config(config["quantization_config"], "config.json['quantization_config']")
     raise ValueError(f"{folder}: no quantization config (looked for quantize_config.json, quant_config.json and "
-                     f"config.json['quantization_config'])")
+                     f"config.json['quantization_config']): cupy_moe runs GPTQ, AWQ or compressed-tensors "
+                     f"checkpoints, not unquantized ones")
 

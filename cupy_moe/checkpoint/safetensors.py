@@ -41,11 +41,17 @@ class TensorInfo:
 
 
 class SafetensorsFile:
-    """One .safetensors file: the header parsed and checked against the file size; tensors read on demand."""
+    """One .safetensors file: the header parsed and checked against the file size; tensors read on demand.
 
-    def __init__(self, path: Path):
+    lenient: tensors whose bytes run past the end of the file are listed in `truncated` instead of raising
+    (inspect_checkpoint reports them; reading one still raises).
+    """
+
+    def __init__(self, path: Path, lenient: bool = False):
         self.path = path
         self.label = path.name
+        self.lenient = lenient
+        self.truncated: list[str] = []
         try:
             self._fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -93,7 +99,9 @@ class SafetensorsFile:
             if e - b != want:
                 raise ValueError(f"{self.label}: corrupt safetensors header: tensor '{name}' {dtype} {shape} needs "
                                  f"{want} bytes, its data_offsets [{b}, {e}] span {e - b}")
-            if data_start + e > size:
+            if data_start + e > size and self.lenient:
+                self.truncated.append(name)
+            elif data_start + e > size:
                 raise ValueError(f"{self.label}: truncated safetensors file: tensor '{name}' ends at byte "
                                  f"{data_start + e}, but the file has only {size} bytes")
             tensors[name] = TensorInfo(name, dtype, tuple(shape), data_start + b, e - b)
@@ -138,10 +146,16 @@ def as_float(f: SafetensorsFile, info: TensorInfo) -> np.ndarray:
 
 
 class TensorIndex:
-    """tensor name -> file, from model.safetensors.index.json or from the headers of the folder's files."""
+    """tensor name -> file, from model.safetensors.index.json or from the headers of the folder's files.
 
-    def __init__(self, folder: Path):
+    lenient: files are opened leniently (see SafetensorsFile), and without an index a file whose header cannot be
+    read is recorded in `broken` {file name: error} instead of raising (inspect_checkpoint lists them).
+    """
+
+    def __init__(self, folder: Path, lenient: bool = False):
         self.folder = folder
+        self.lenient = lenient
+        self.broken: dict[str, str] = {}
         self._files: dict[str, SafetensorsFile] = {}
         index = folder / "model.safetensors.index.json"
         if not index.exists():
@@ -165,7 +179,14 @@ class TensorIndex:
         self.weight_map = {}
         try:
             for p in files:  # no index: the headers are the index (header-only reads)
-                for name in self.file(p.name).tensors:
+                try:
+                    names = self.file(p.name).tensors
+                except ValueError as exc:
+                    if not lenient:
+                        raise
+                    self.broken[p.name] = str(exc)
+                    continue
+                for name in names:
                     self.weight_map[name] = p.name
         except BaseException:
             self.close()
@@ -181,7 +202,7 @@ class TensorIndex:
             if not path.exists():
                 what = f" (it holds tensor '{tensor}' per {self.source})" if tensor else ""
                 raise FileNotFoundError(f"{path}: safetensors shard not found{what}")
-            f = self._files[fname] = SafetensorsFile(path)
+            f = self._files[fname] = SafetensorsFile(path, self.lenient)
         return f
 
     def get(self, name: str) -> tuple[SafetensorsFile, TensorInfo] | None:
