@@ -87,19 +87,19 @@ def _module(filename: str, name_expressions: tuple[str, ...], arch: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(filename: str, name_expression: str, device_id: int):
-    arch = device_arch(device_id)
-    return _module(filename, (name_expression,), arch).get_function(name_expression)
+def _kernel(filename: str, name_expression: str, device_id: int, arch: str | None):
+    return _module(filename, (name_expression,), arch or device_arch(device_id)).get_function(name_expression)
 
 
-def get_kernel(filename: str, name_expression: str):
+def get_kernel(filename: str, name_expression: str, arch: str | None = None):
     """The `cupy.RawKernel` for `name_expression` (e.g. `"moe_align<16>"`) from `kernels/<filename>`.
 
-    Compiled on first use for the current device and cached (in memory here, on disk by CuPy).
+    Compiled on first use for the current device (arch: for that NVRTC target instead, one the device runs, e.g.
+    the GEMM's `GpuInfo.arch`) and cached (in memory here, on disk by CuPy).
     """
     from ._xp import require_gpu
     cp = require_gpu(f"kernel {name_expression}")
-    return _kernel(filename, name_expression, cp.cuda.Device().id)
+    return _kernel(filename, name_expression, cp.cuda.Device().id, arch)
 
 
 def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:

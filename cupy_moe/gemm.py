@@ -258,7 +258,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     name = config.name_expression(bf16, bits, act_order, group_len, gpu.hopper, k, pair_a)
     smem = config.smem_bytes(bits, gpu.hopper)
     # ---- launch
-    kern = _compile.get_kernel(config.source_file, name)
+    kern = _compile.get_kernel(config.source_file, name, gpu.arch)
     smem_key = (name, cp.cuda.Device().id)
     allowed = _SMEM_SET.get(smem_key)
     if smem and (allowed is None or allowed[0] is not kern or allowed[1] < smem):  # opt in above 48 KiB once

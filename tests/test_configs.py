@@ -15,8 +15,8 @@ from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import MODELS
 from cupy_moe.weights import StackedGptqWeight
 
-H200 = configs.GpuInfo("Test H200", "sm_90a", 132, True)    # the GPU the rules were measured on
-PORTABLE = configs.GpuInfo("Test sm_90", "sm_90", 132, False)  # the same SMs without the Hopper kernels
+H200 = configs.GpuInfo("Test H200", "sm_90a", 132)    # the GPU the rules were measured on
+PORTABLE = configs.GpuInfo("Test sm_90", "sm_90", 132)  # the same SMs without the Hopper kernels
 DATA = Path(__file__).resolve().parent / "data"
 
 
@@ -30,7 +30,7 @@ def choose(*args, **kw):
 def fake_gpu(tmp_path, monkeypatch):
     """A GPU whose tables live in a fresh user cache folder (and ship none)."""
     monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
-    return configs.GpuInfo("Fake GPU", "sm_90a", 132, True)
+    return configs.GpuInfo("Fake GPU", "sm_90a", 132)
 
 
 def test_heuristic_block_sizes_follow_rows_per_expert():
@@ -241,11 +241,10 @@ def test_gpu_description_drives_the_choice():
     assert choose(2, 8, 1, 14336, 4096, 4, 128, gpu=replace(H200, sm_count=33)).split_k < 8
     assert configs.split_k_estimate(configs.DECODE, 2, 8, 1, 14336, 4096, gpu=H200) == 8
     with pytest.raises(ValueError, match="sm_count: expected a positive int, got 0"):
-        configs.GpuInfo("x", "sm_90a", 0, True)
-    with pytest.raises(ValueError, match="hopper: expected False for arch 'sm_80'"):
-        configs.GpuInfo("x", "sm_80", 108, True)
+        configs.GpuInfo("x", "sm_90a", 0)
     with pytest.raises(ValueError, match="arch: expected an NVRTC target"):
-        configs.GpuInfo("x", "90", 132, False)
+        configs.GpuInfo("x", "90", 132)
+    assert H200.hopper and not PORTABLE.hopper and not configs.GpuInfo("x", "sm_80", 108).hopper
     with pytest.raises(TypeError, match="gpu: expected a GpuInfo or None, got str"):
         configs.choose_config(1, 8, 2, 4096, 4096, 4, 128, gpu="NVIDIA H200")
 
@@ -420,11 +419,11 @@ def test_hopper_variants_in_name_expressions_and_shared_memory(monkeypatch):
     assert cfg.kind == "reg" and cfg.name_expression(False, 4, False, 128, True, pair_a=True).endswith(", true>")
     with pytest.raises(ValueError, match="pair_a: expected 4-bit weights"):
         dec.name_expression(False, 8, False, 128, pair_a=True)
-    monkeypatch.setenv("CUPY_MOE_HOPPER", "0")
-    assert not configs.hopper_enabled("sm_90a")
+    monkeypatch.setenv("CUPY_MOE_HOPPER", "0")  # the portable build on a Hopper GPU
+    assert configs.build_arch("sm_90a") == "sm_90"
     monkeypatch.setenv("CUPY_MOE_HOPPER", "1")
-    assert configs.hopper_enabled("sm_90a")
-    assert not configs.hopper_enabled("sm_90") and not configs.hopper_enabled("sm_80")
+    assert configs.build_arch("sm_90a") == "sm_90a"
+    assert configs.build_arch("sm_90") == "sm_90" and configs.build_arch("sm_80") == "sm_80"
 
 
 def test_name_expressions_by_source_file():
@@ -460,3 +459,24 @@ def test_tune_checks_its_arguments_before_touching_a_gpu():
         tune(models=["mixtral-8x7b"], group_size=48)
     with pytest.raises(ValueError, match="reps: expected a positive int, got 0"):
         tune(models=["mixtral-8x7b"], reps=0)
+
+
+def test_every_catalogued_instance_is_reachable():
+    # Each instance compiled for an arch is one the rules can launch there: the configuration choice over a grid of
+    # problems, every block size (a tuned entry may name any) and every flag the launcher passes reaches them all.
+    for gpu in (H200, PORTABLE, configs.GpuInfo("Test sm_80", "sm_80", 108)):
+        reached = set()
+        for bf16 in (False, True):
+            for bits in (4, 8):
+                for act, group in ((False, 32), (False, 128), (True, 128)):
+                    for pair_a in ((False, True) if bits == 4 else (False,)):
+                        for m, e, a, k, n in ((1, 8, 2, 4096, 4096), (2, 8, 1, 14336, 4096), (4096, 8, 2, 4096, 4096)):
+                            for block_m in (None, *configs.SUPPORTED_BLOCK_M):
+                                for split_k in ((None,) if block_m is None else (None, 1, 2, 4)):
+                                    cfg = configs.choose_config(m, e, a, k, n, bits, group, block_m, act_order=act,
+                                                                pair_a=pair_a, gpu=gpu, split_k=split_k, tuned=False)
+                                    reached.add(cfg.name_expression(bf16, bits, act, k if group == -1 else group,
+                                                                    gpu.hopper, k, pair_a))
+        catalogue = set(configs.all_name_expressions(gpu.arch))
+        assert catalogue <= reached, sorted(catalogue - reached)
+        assert reached <= catalogue, sorted(reached - catalogue)

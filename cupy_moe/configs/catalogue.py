@@ -215,16 +215,22 @@ def max_split_k(k: int, ku: int) -> int:
 
 
 def all_name_expressions(arch: str = "sm_80", filename: str | None = None) -> list[str]:
-    """Every kernel instance the launcher can request on `arch` (the NVRTC compile test compiles all of them);
-    on sm_90a both the Hopper and the sm_80-style variants. filename: only the instances of that kernels/ file."""
+    """Every kernel instance the launcher can request when built for `arch` (the NVRTC compile test compiles all
+    of them): on sm_90a the Hopper shapes where they exist and the portable ones where they fall back (act-order,
+    pair order); elsewhere the portable ones. filename: only the instances of that kernels/ file."""
+    hopper = arch == "sm_90a"
     names = []
-    for hopper in ((False, True) if arch == "sm_90a" else (False,)):
-        for bf16 in (False, True):
-            for bits in (4, 8):
-                for cfg in (*KERNEL_SHAPES.values(), *HOPPER_SHAPES.values(), *SPLIT_WARPS_SHAPES.values()):
-                    for act, glen in ((False, 32), (False, 32 * cfg.ku), (True, None)):
+    for bf16 in (False, True):
+        for bits in (4, 8):
+            for block_m, shape in KERNEL_SHAPES.items():
+                shapes = (HOPPER_SHAPES.get(block_m, shape) if hopper else shape, *(
+                    [SPLIT_WARPS_SHAPES[block_m]] if block_m in SPLIT_WARPS_SHAPES else []))
+                for cfg in shapes:
+                    for act in (False, True):
                         for pair_a in ((False, True) if bits == 4 else (False,)):
                             run = fallback(cfg, act_order=act, hopper=hopper, pair_a=pair_a)
-                            if filename is None or run.source_file == filename:
+                            if filename is not None and run.source_file != filename:
+                                continue
+                            for glen in ((None,) if act else (32, 32 * run.ku)):  # both group modes
                                 names.append(run.name_expression(bf16, bits, act, glen, hopper, pair_a=pair_a))
     return list(dict.fromkeys(names))

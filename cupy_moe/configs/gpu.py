@@ -1,4 +1,4 @@
-"""The target GPU as the configuration choice sees it: name, NVRTC arch, SM count, whether the Hopper kernels run.
+"""The target GPU as the configuration choice sees it: name, the NVRTC arch the kernels are built for, SM count.
 
 `gpu_info()` asks the current device once per device id; without a GPU, callers (and tests) build a `GpuInfo`
 themselves and pass it to `choose_config(..., gpu=...)`.
@@ -10,42 +10,46 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-__all__ = ["GpuInfo", "gpu_info", "hopper_enabled"]
+__all__ = ["GpuInfo", "gpu_info", "build_arch"]
 
 
 @dataclass(frozen=True)
 class GpuInfo:
     """name: the device name (`cudaDeviceProp.name`, e.g. "NVIDIA H200"), which selects the tuned table;
-    arch: the NVRTC target ("sm_90a" on compute capability 9.0); sm_count: `multiProcessorCount`;
-    hopper: whether the sm_90a kernels run (the tc kernel's wgmma variant and the swapped-operand kernel)."""
+    arch: the NVRTC target the GEMM kernels are built for ("sm_90a" on compute capability 9.0, see build_arch);
+    sm_count: `multiProcessorCount`."""
     name: str
     arch: str
     sm_count: int
-    hopper: bool
 
     def __post_init__(self):
         if isinstance(self.sm_count, bool) or not isinstance(self.sm_count, int) or self.sm_count < 1:
             raise ValueError(f"sm_count: expected a positive int, got {self.sm_count!r}")
         if not re.fullmatch(r"sm_\d+a?", str(self.arch)):
             raise ValueError(f"arch: expected an NVRTC target like 'sm_90a', got {self.arch!r}")
-        if self.hopper and self.arch != "sm_90a":
-            raise ValueError(f"hopper: expected False for arch {self.arch!r} (the Hopper kernels need sm_90a), "
-                             "got True")
+
+    @property
+    def hopper(self) -> bool:
+        """Whether the sm_90a kernels run (the tc kernel's wgmma variant and the swapped-operand kernel)."""
+        return self.arch == "sm_90a"
 
 
-def hopper_enabled(arch: str) -> bool:
-    """Whether the Hopper kernels run: on `sm_90a` unless the environment sets CUPY_MOE_HOPPER=0 (the portable
-    kernels then run, e.g. to compare)."""
-    return arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") != "0"
+def build_arch(device_arch: str) -> str:
+    """The target the GEMM kernels are built for on a device whose own target is `device_arch`: that one, except
+    that CUPY_MOE_HOPPER=0 builds the portable sm_90 kernels on an sm_90a device (how the tests run the mma.sync
+    kernels on a Hopper GPU)."""
+    if device_arch == "sm_90a" and os.environ.get("CUPY_MOE_HOPPER", "1") == "0":
+        return "sm_90"
+    return device_arch
 
 
 def gpu_info(device_id: int | None = None) -> GpuInfo:
     """The `GpuInfo` of a device (default: the current one). The device's properties are read once per id;
-    CUPY_MOE_HOPPER is read on every call."""
+    CUPY_MOE_HOPPER is read on every call (build_arch)."""
     from .._xp import require_gpu
     cp = require_gpu("reading the GPU's properties")
     info = _device_facts(cp.cuda.Device().id if device_id is None else int(device_id))
-    return info if hopper_enabled(info.arch) else replace(info, hopper=False)
+    return replace(info, arch=build_arch(info.arch))
 
 
 @functools.lru_cache(maxsize=None)
@@ -55,5 +59,4 @@ def _device_facts(device_id: int) -> GpuInfo:
     props = cp.cuda.runtime.getDeviceProperties(device_id)
     name = props["name"]
     name = name.decode() if isinstance(name, bytes) else str(name)
-    arch = _compile.device_arch(device_id)
-    return GpuInfo(name, arch, int(props["multiProcessorCount"]), arch == "sm_90a")
+    return GpuInfo(name, _compile.device_arch(device_id), int(props["multiProcessorCount"]))
