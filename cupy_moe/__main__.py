@@ -24,6 +24,7 @@ from .models import BENCHMARK_MODELS, MODELS, get_model
 PROG = "python -m cupy_moe"
 DEBUG_ENV = "CUPY_MOE_DEBUG"
 CHECK_BAR = 1e-3  # largest relative L2 error of the demo's output against the float64 reference that passes
+HOST_FLOAT64_BYTES = 2 << 30  # float64 expert weights the demo's NumPy paths may hold at once
 INSTALL_HINT = ("from a checkout of cupy_moe: pip install -e \".[cuda12,nvrtc12]\" for a CUDA 12 driver, "
                 "\".[cuda13,nvrtc13]\" for CUDA 13")
 BENCHMARK = Path("benchmarks") / "bench_gemm.py"
@@ -50,51 +51,66 @@ def progress_bar(**kwargs):
     return tqdm(file=sys.stderr, disable=not progress_enabled(), dynamic_ncols=True, **kwargs)
 
 
-@contextmanager
-def steps(total: int):
+class Steps:
     """A bar over `total` named steps whose clock keeps moving during a long step (redrawn every second).
 
-    Yields `step(description)`: call it as each step starts; the previous one counts as done."""
-    bar = progress_bar(total=total, bar_format="{desc} [{n_fmt}/{total_fmt} steps, {elapsed}]", leave=False)
-    started = [0]
-    stop = threading.Event()
+    `next(description)` starts the next step (the previous one counts as done); `say(description)` reports within
+    a step."""
 
-    def redraw():
-        while not stop.wait(1.0):
-            bar.refresh()
+    def __init__(self, total: int):
+        self.total = total
+        self.bar = progress_bar(total=total, bar_format="{desc} [{elapsed}]", leave=False)
+        self.started = 0
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._redraw, daemon=True)
+        if not self.bar.disable:
+            self._ticker.start()
 
-    def step(description: str):
-        if started[0]:
-            bar.update(1)
-        started[0] += 1
-        bar.set_description_str(description)
+    def _redraw(self):
+        while not self._stop.wait(1.0):
+            self.bar.refresh()
 
-    ticker = threading.Thread(target=redraw, daemon=True)
-    if not bar.disable:
-        ticker.start()
+    def next(self, description: str):
+        if self.started:
+            self.bar.update(1)
+        self.started += 1
+        self.say(description)
+
+    def say(self, description: str):
+        self.bar.set_description_str(f"step {self.started}/{self.total}: {description}")
+
+    def close(self):
+        self._stop.set()
+        if self._ticker.is_alive():
+            self._ticker.join()
+        self.bar.close()
+
+
+@contextmanager
+def steps(total: int):
+    """`Steps(total)`, closed on the way out."""
+    bar = Steps(total)
     try:
-        yield step
+        yield bar
     finally:
-        stop.set()
-        if ticker.is_alive():
-            ticker.join()
         bar.close()
 
 
 def gpu_problem() -> str | None:
-    """None when CuPy sees a CUDA GPU, else why not, in words, with what to install."""
+    """None when CuPy sees a CUDA GPU, else why not, in words: what to install when CuPy is missing; the driver's
+    answer when CuPy is there (installing it again would not help)."""
     from . import _xp
     if _xp.cupy is None:
-        return f"CuPy is not installed; install it with cupy_moe's CUDA extra, {INSTALL_HINT}"
+        return f"CuPy is not installed; install cupy_moe with its CUDA extra, {INSTALL_HINT}"
     if _xp.gpu_available():
         return None
     try:
         _xp.cupy.cuda.runtime.getDeviceCount()
-        why = "CuPy sees no device"
+        why = "no device"
     except Exception as exc:  # no driver, or one older than CuPy's CUDA runtime
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    return (f"no CUDA GPU found ({why}); this needs an NVIDIA GPU with its driver, and the CuPy build for the "
-            f"driver's CUDA major ({INSTALL_HINT})")
+    return (f"no CUDA GPU found (CUDA says: {why}); CuPy {_xp.cupy.__version__} is installed, and needs an NVIDIA "
+            "GPU with its driver")
 
 
 def require_gpu():
@@ -163,6 +179,22 @@ def verdict(err: float, what: str) -> str:
             f"{'PASS' if err <= CHECK_BAR else 'FAIL'}")
 
 
+def host_chunk(shape) -> int:
+    """Tokens per call of the NumPy paths: they dequantize every expert a call's tokens touch to float64 (8 bytes a
+    weight, 3*H*I weights an expert), so a call takes at most as many tokens as keep that under HOST_FLOAT64_BYTES."""
+    per_token = shape.top_k * 8 * 3 * shape.hidden * shape.intermediate
+    return max(1, HOST_FLOAT64_BYTES // per_token)
+
+
+def in_chunks(fn, x, chunk: int, step: Steps, what: str) -> np.ndarray:
+    """fn(x) computed `chunk` rows at a time (the rows of a MoE layer are independent), reporting each chunk."""
+    out = []
+    for start in range(0, x.shape[0], chunk):
+        step.say(f"{what}: tokens {start + 1}-{min(start + chunk, x.shape[0])} of {x.shape[0]}")
+        out.append(np.asarray(fn(x[start:start + chunk])))
+    return np.concatenate(out)
+
+
 def write_demo_checkpoint(folder, shape, seed):
     from .testing import write_checkpoint
     write_checkpoint(folder, family=shape.family, num_layers=1, hidden=shape.hidden, intermediate=shape.intermediate,
@@ -173,20 +205,22 @@ def write_demo_checkpoint(folder, shape, seed):
 def demo_cpu(args, folder, shape, why: str) -> int:
     from . import MoELayer
     from .testing import dense_layer_output
-    # The float64 check dequantizes every expert its tokens touch (8 bytes a weight): a few tokens bound that.
     check = min(args.tokens, args.check_tokens)
+    chunk = host_chunk(shape)
     print(describe(shape, args.tokens) + "; NumPy reference path")
     t0 = time.perf_counter()
     with steps(4) as step:
-        step("writing the checkpoint (random weights, GPTQ-quantized)")
+        step.next("writing the checkpoint (random weights, GPTQ-quantized)")
         write_demo_checkpoint(folder, shape, args.seed)
-        step("loading layer 0")
+        step.next("loading layer 0")
         layer = MoELayer.from_checkpoint(folder, 0, device=False)
-        step(f"running {args.tokens} tokens through the layer")
+        step.next("running the layer")
         x = np.random.default_rng(args.seed).standard_normal((args.tokens, shape.hidden)).astype(np.float16)
-        y = layer(x)[:check]
-        step(f"checking {check} tokens against float64 loops")
-        err = rel_l2(y, dense_layer_output(layer, x[:check]))
+        y = in_chunks(layer, x, chunk, step, "running the layer")
+        step.next("checking")
+        ref = in_chunks(lambda rows: dense_layer_output(layer, rows), x[:check], chunk, step,
+                        "checking against float64 loops")
+        err = rel_l2(y[:check], ref)
     print(verdict(err, f"{check} tokens against float64 loops over the dequantized weights"))
     print(f"took {time.perf_counter() - t0:.1f} s. {why}")
     return 0 if err <= CHECK_BAR else 1
@@ -198,20 +232,22 @@ def demo_gpu(args, folder, shape, cp) -> int:
     print(describe(shape, args.tokens) + "; GPU path")
     check = min(args.tokens, args.check_tokens)
     with steps(5) as step:
-        step("writing the checkpoint (random weights, GPTQ-quantized)")
+        step.next("writing the checkpoint (random weights, GPTQ-quantized)")
         t0 = time.perf_counter()
         write_demo_checkpoint(folder, shape, args.seed)
         t_write = time.perf_counter() - t0
-        step("loading layer 0 onto the GPU")
+        step.next("loading layer 0 onto the GPU")
         layer = MoELayer.from_checkpoint(folder, 0, device=True)
         w = layer.weights
-        step("running the layer (the first call compiles the kernels)")
+        step.next("running the layer (the first call compiles the kernels)")
         x_host = np.random.default_rng(args.seed).standard_normal((args.tokens, w.hidden_size)).astype(np.float16)
         x = cp.asarray(x_host)
         y = cp.asnumpy(layer(x)[:check])
-        step(f"checking {check} tokens against the NumPy reference")
-        err = rel_l2(y, MoELayer.from_checkpoint(folder, 0, device=False)(x_host[:check]))
-        step(f"timing {args.reps} CUDA graph replays")
+        step.next("checking")
+        ref = in_chunks(MoELayer.from_checkpoint(folder, 0, device=False), x_host[:check], host_chunk(shape), step,
+                        "checking against the NumPy reference")
+        err = rel_l2(y, ref)
+        step.next(f"timing {args.reps} CUDA graph replays")
         captured = layer.capture(x)
         seconds = event_time(lambda i: captured.replay(), reps=args.reps, stream=captured.stream)
         _, ids = layer.route(x)
@@ -407,8 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"layer shapes, any case: {names} (default Mixtral-8x7B on a GPU, tiny on the CPU)")
     p.add_argument("--tokens", type=positive_int, default=8, help="tokens M in the batch (default 8)")
     p.add_argument("--check-tokens", type=positive_int, default=2,
-                   help="tokens checked against the float64 reference (default 2; each touched expert costs 8 "
-                        "bytes a weight there)")
+                   help="tokens checked against the float64 reference (default 2)")
     p.add_argument("--reps", type=positive_int, default=50, help="timed graph replays on the GPU (default 50)")
     p.add_argument("--dir", help="keep the checkpoint in this folder instead of a temporary one")
     p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
