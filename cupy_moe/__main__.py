@@ -34,6 +34,13 @@ class CliError(Exception):
     """A problem the user can fix: printed as one line on stderr, exit status 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported like every other error: one line on stderr, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 # --------------------------------------------------------------------------------------------- progress and GPU
 
 
@@ -432,8 +439,7 @@ def tune(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
                         help=f"show the traceback of an error instead of one line (also: {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -85,7 +85,8 @@ def test_bad_arguments_exit_2_before_any_gpu_check(monkeypatch, capsys, argv, ne
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert needle in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
 
 
 # ------------------------------------------------------------------------------------------------------ tune
