@@ -346,8 +346,13 @@ def format_inspection(info: dict) -> list[str]:
     if len(info["files"]) > 1:
         lines += ["", *table([["file", "tensors", "size"]] + [[f["name"], str(f["tensors"]), mib(f["bytes"])]
                                                            for f in info["files"]], right={1, 2})]
+    # one line per cause: a missing shard is reported once per tensor it holds
+    causes = {}
     for problem in info.get("problems", []):
-        lines.append(f"problem: {problem}")
+        cause = problem.split(" (")[0]
+        causes[cause] = causes.get(cause, 0) + 1
+    for cause, count in causes.items():
+        lines.append(f"problem: {cause}" + (f" ({count} tensors or files; --json lists each)" if count > 1 else ""))
     return lines
 
 

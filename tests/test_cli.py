@@ -180,6 +180,14 @@ def test_inspect_problems_one_line_each(tmp_path, capsys):
     one_line_error(capsys, ["inspect", str(folder)], str(folder / "model.safetensors"), "truncated")
 
 
+def test_inspect_reports_a_missing_shard_once_and_exits_1(tmp_path, capsys):
+    write_checkpoint(tmp_path, family="qwen2_moe", num_layers=1, num_shards=2, return_weights=False)
+    (tmp_path / "model-00002-of-00002.safetensors").unlink()
+    assert main(["inspect", str(tmp_path)]) == 1
+    problems = [line for line in capsys.readouterr().out.splitlines() if line.startswith("problem:")]
+    assert len(problems) == 1 and "model-00002-of-00002.safetensors" in problems[0], problems
+
+
 def test_debug_shows_the_traceback(tmp_path):
     proc = run("-m", "cupy_moe", "inspect", str(tmp_path / "nowhere"), status=2)
     assert proc.stderr.strip() == f"python -m cupy_moe inspect: error: {tmp_path / 'nowhere'}: no such folder"
