@@ -401,8 +401,11 @@ def run_script(script: Path, argv: list[str]) -> int:
     sys.argv = [str(script), *argv]
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except SystemExit as exc:  # sys.exit(n), or sys.exit("message"): Python prints the message, status 1
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
     finally:
         sys.argv = saved
     return 0
