@@ -309,46 +309,60 @@ def table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
 
 
 def format_inspection(info: dict) -> list[str]:
-    """What `inspect` prints: a few labelled lines, the layers in order, the files, the problems."""
+    """What `inspect` prints: labelled lines, the layers in order, the tensors by role and dtype, the files (when
+    there are several), the problems."""
     q = info["quantization"]
     model_type = info.get("model_type") or "not given"
     arch = ", ".join(info.get("architectures") or []) or "not given"
+    family = f"{info['family']} (model_type {model_type}; architectures {arch})"
+    if info.get("naming"):
+        family += f"; tensor names: {info['naming']}"
     routing = (f"top-{info['top_k']} of {info['num_experts']} experts, {info.get('scoring_func') or 'softmax'} "
                f"scores, {'renormalized' if info.get('renormalize') else 'not renormalized'}")
+    extra = info.get("routing") or {}
+    if (extra.get("topk_method") or {}).get("value") not in (None, "greedy"):
+        routing += f", {extra['topk_method']['value']} selection"
+    if (extra.get("routed_scaling_factor") or {}).get("value") not in (None, 1, 1.0):
+        routing += f", scaled by {extra['routed_scaling_factor']['value']}"
     group = "one group per column (-1)" if q["group_size"] == -1 else f"group size {q['group_size']}"
     quant = (f"{q['method'].upper()} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}, "
              f"act-order {'yes' if q['desc_act'] else 'no'}, format {q['checkpoint_format']} "
              f"(read from {q['source']})")
     if q.get("dynamic"):
         quant += f"; per-module rules: {len(q['dynamic'])}"
+    layers = sorted(info["layers"], key=lambda row: row["layer"])
+    moe = sum(row.get("kind", "moe") == "moe" for row in layers)
     tensors = sum(f.get("tensors", 0) for f in info["files"])
     lines = table([
         ["checkpoint", info["path"]],
-        ["family", f"{info['family']} (model_type {model_type}; architectures {arch})"],
+        ["family", family],
         ["sizes", f"hidden {info['hidden_size']}, expert intermediate {info['intermediate_size']}"],
         ["routing", routing],
         ["quantization", quant],
-        ["layers", f"{info['num_layers']} in all: {len(info['moe_layers'])} MoE, "
-                   f"{len(info.get('dense_layers') or {})} dense"],
+        ["layers", f"{info['num_layers']} in all: {moe} MoE, {len(layers) - moe} dense"],
         ["files", f"{plural(len(info['files']), 'file')}, {plural(tensors, 'tensor')}, {mib(info['total_bytes'])}"],
     ])
-    rows = {row["layer"]: ["MoE", f"{row['experts_found']}/{info['num_experts']}", str(row["experts"] or "none"),
-                           mib(row["expert_bytes"]), row["shared_experts"] or "none"] for row in info["layers"]}
-    for layer, why in (info.get("dense_layers") or {}).items():
-        rows[int(layer)] = ["dense", "", "", "", f"({why})"]
+    rows = []
+    for row in layers:
+        if row.get("kind", "moe") == "moe":
+            shared = row.get("shared_experts") or 0
+            rows.append([str(row["layer"]), "MoE", f"{row['experts_found']}/{info['num_experts']}",
+                         str(row["experts"] or "none"), mib(row["expert_bytes"]),
+                         f"{shared} ({row.get('shared_storage') or 'unknown'})" if shared else "none"])
+        else:
+            rows.append([str(row["layer"]), "dense", "", "", "", f"({row.get('reason') or 'no experts'})"])
     if rows:
-        lines += ["", *table([["layer", "kind", "experts", "stored as", "expert weights", "shared experts"]]
-                             + [[str(i), *rows[i]] for i in sorted(rows)], right={0, 4})]
+        lines += ["", *table([["layer", "kind", "experts", "stored as", "expert weights", "shared experts"]] + rows,
+                             right={0, 4})]
+    by_role = [[role, dtype, str(v["count"]), mib(v["bytes"])]
+               for role, dtypes in (info.get("tensors") or {}).items() for dtype, v in sorted(dtypes.items())]
+    if by_role:
+        lines += ["", *table([["tensors", "dtype", "count", "size"]] + by_role, right={2, 3})]
     if len(info["files"]) > 1:
         lines += ["", *table([["file", "tensors", "size"]] + [[f["name"], str(f["tensors"]), mib(f["bytes"])]
                                                            for f in info["files"]], right={1, 2})]
-    # one line per cause: a missing shard is reported once per tensor it holds
-    causes = {}
-    for problem in info.get("problems", []):
-        cause = problem.split(" (")[0]
-        causes[cause] = causes.get(cause, 0) + 1
-    for cause, count in causes.items():
-        lines.append(f"problem: {cause}" + (f" ({count} tensors or files; --json lists each)" if count > 1 else ""))
+    if info.get("problems"):
+        lines += ["", *(f"problem: {problem}" for problem in info["problems"])]
     return lines
 
 
@@ -459,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights and inputs (default 0)")
     p.set_defaults(func=demo)
-    p = sub.add_parser("inspect", help="describe a checkpoint folder from its configs and headers (no tensor data)")
+    p = sub.add_parser("inspect", help="describe a checkpoint folder from its configs and headers (no tensor data); "
+                                       "exit status 1 when it found problems")
     p.add_argument("path", help="the checkpoint folder (config.json, quantization config, *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the full description as JSON")
     p.set_defaults(func=inspect)

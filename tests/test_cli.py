@@ -159,6 +159,8 @@ def test_inspect_summarises_layers_in_order(tmp_path, capsys):
     rows = [line.split() for line in lines[header + 1:header + 4]]
     assert [r[0] for r in rows] == ["0", "1", "2"]                     # layers in order
     assert rows[0][1] == "dense" and rows[1][1:4] == ["MoE", "4/4", "gptq"]
+    dtypes = lines[lines.index(next(line for line in lines if line.startswith("tensors "))) + 1:]
+    assert any(line.split()[:2] == ["experts", "I32"] for line in dtypes)  # the tensor/dtype summary
     assert main(["inspect", str(tmp_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["moe_layers"] == [1, 2] and info["quantization"]["bits"] == 4
@@ -174,10 +176,16 @@ def test_inspect_problems_one_line_each(tmp_path, capsys):
     del config["quantization_config"]
     (folder / "config.json").write_text(json.dumps(config))
     one_line_error(capsys, ["inspect", str(folder)], str(folder), "no quantization config")
-    write_checkpoint(folder, num_layers=1, return_weights=False)
-    with open(folder / "model.safetensors", "r+b") as f:
-        f.truncate(1000)
-    one_line_error(capsys, ["inspect", str(folder)], str(folder / "model.safetensors"), "truncated")
+
+@pytest.mark.parametrize("size", [1000, 30000])  # in the header; in the data
+def test_inspect_describes_a_truncated_file_as_a_problem_and_exits_1(tmp_path, capsys, size):
+    write_checkpoint(tmp_path, num_layers=1, return_weights=False)
+    with open(tmp_path / "model.safetensors", "r+b") as f:
+        f.truncate(size)
+    assert main(["inspect", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    problems = [line for line in out.splitlines() if line.startswith("problem:")]
+    assert problems[0].startswith("problem: model.safetensors:") and "truncated" in problems[0], out
 
 
 def test_inspect_reports_a_missing_shard_once_and_exits_1(tmp_path, capsys):
@@ -261,5 +269,6 @@ def test_dlpack_interop_runs_or_skips_for_its_one_reason():
 
 
 def test_every_example_has_a_test():
-    tested = {"quickstart.py", "all_layers.py", "dlpack_interop.py"}
+    tested = {"quickstart.py", "all_layers.py", "dlpack_interop.py",
+              "run_checkpoint.py"}  # tests/test_run_checkpoint.py
     assert {p.name for p in (REPO / "examples").glob("*.py")} == tested
