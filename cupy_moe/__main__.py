@@ -1,200 +1,535 @@
-"""Command line: `python -m cupy_moe demo | inspect PATH | bench | tune`."""
+"""Command line: `python -m cupy_moe demo | inspect PATH | bench [ARGS] | tune`.
+
+A problem prints one line on stderr and exits with status 2; `--debug` (before the command) or CUPY_MOE_DEBUG=1
+shows the traceback instead. Arguments are checked before anything looks for a GPU. Long steps show a progress
+bar on stderr when stderr is a terminal, and nothing when it is piped or redirected.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import runpy
 import sys
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
-# Layer shapes for the demo (SHAPES.md): hidden H, intermediate I, experts E, top-k A, group size G.
-MODELS = {
-    "tiny": dict(family="qwen2_moe", hidden=256, intermediate=384, num_experts=8, top_k=2, group_size=64),
-    "mixtral-8x7b": dict(family="mixtral", hidden=4096, intermediate=14336, num_experts=8, top_k=2, group_size=128),
-    "qwen1.5-moe-a2.7b": dict(family="qwen2_moe", hidden=2048, intermediate=1408, num_experts=60, top_k=4,
-                              group_size=128, shared_intermediate=5632),
-    "qwen3-30b-a3b": dict(family="qwen3_moe", hidden=2048, intermediate=768, num_experts=128, top_k=8, group_size=128),
-    "deepseek-v2-lite": dict(family="deepseek_v2", hidden=2048, intermediate=1408, num_experts=64, top_k=6,
-                             group_size=128),
-}
+from .models import BENCHMARK_MODELS, MODELS, get_model
+
+PROG = "python -m cupy_moe"
+DEBUG_ENV = "CUPY_MOE_DEBUG"
+CHECK_BAR = 1e-3  # largest relative L2 error of the demo's output against the float64 reference that passes
+HOST_FLOAT64_BYTES = 2 << 30  # float64 expert weights the demo's NumPy paths may hold at once
+INSTALL_HINT = ("from a checkout of cupy_moe: pip install -e \".[cuda12,nvrtc12]\" for a CUDA 12 driver, "
+                "\".[cuda13,nvrtc13]\" for CUDA 13")
+BENCHMARK = Path("benchmarks") / "bench_gemm.py"
 
 
-def _rel_l2(out, ref) -> float:
+class CliError(Exception):
+    """A problem the user can fix: printed as one line on stderr, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with a bad argument reported like every other error: one line on stderr, exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+# --------------------------------------------------------------------------------------------- progress and GPU
+
+
+def progress_enabled() -> bool:
+    """Progress bars only on an interactive stderr: piped or redirected output stays clean."""
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def progress_bar(**kwargs):
+    """A tqdm bar on stderr, disabled when stderr is not a terminal."""
+    from tqdm import tqdm
+    return tqdm(file=sys.stderr, disable=not progress_enabled(), dynamic_ncols=True, **kwargs)
+
+
+class Steps:
+    """A bar over `total` named steps whose clock keeps moving during a long step (redrawn every second).
+
+    `next(description)` starts the next step (the previous one counts as done); `say(description)` reports within
+    a step."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.bar = progress_bar(total=total, bar_format="{desc} [{elapsed}]", leave=False)
+        self.started = 0
+        self._stop = threading.Event()
+        self._ticker = threading.Thread(target=self._redraw, daemon=True)
+        if not self.bar.disable:
+            self._ticker.start()
+
+    def _redraw(self):
+        while not self._stop.wait(1.0):
+            self.bar.refresh()
+
+    def next(self, description: str):
+        if self.started:
+            self.bar.update(1)
+        self.started += 1
+        self.say(description)
+
+    def say(self, description: str):
+        self.bar.set_description_str(f"step {self.started}/{self.total}: {description}")
+
+    def close(self):
+        self._stop.set()
+        if self._ticker.is_alive():
+            self._ticker.join()
+        self.bar.close()
+
+
+@contextmanager
+def steps(total: int):
+    """`Steps(total)`, closed on the way out."""
+    bar = Steps(total)
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def gpu_problem() -> str | None:
+    """None when CuPy sees a CUDA GPU, else why not, in words: what to install when CuPy is missing; the driver's
+    answer when CuPy is there (installing it again would not help)."""
+    from . import _xp
+    if _xp.cupy is None:
+        return f"CuPy is not installed; install cupy_moe with its CUDA extra, {INSTALL_HINT}"
+    if _xp.gpu_available():
+        return None
+    try:
+        _xp.cupy.cuda.runtime.getDeviceCount()
+        why = "no device"
+    except Exception as exc:  # no driver, or one older than CuPy's CUDA runtime
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return (f"no CUDA GPU found (CUDA says: {why}); CuPy {_xp.cupy.__version__} is installed, and needs an NVIDIA "
+            "GPU with its driver")
+
+
+def require_gpu():
+    """The cupy module, or a CliError that says why there is no GPU to use."""
+    problem = gpu_problem()
+    if problem:
+        raise CliError(problem)
+    import cupy
+    return cupy
+
+
+# --------------------------------------------------------------------------------------------- argument types
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def model_name(text: str) -> str:
+    """A name of models.MODELS in any case -> its spelling in the table."""
+    try:
+        return get_model(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("model: ")) from None
+
+
+def model_list(text: str) -> list[str]:
+    names = [model_name(part.strip()) for part in text.split(",") if part.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected at least one model name")
+    return names
+
+
+def token_counts(text: str) -> tuple[int, ...]:
+    return tuple(positive_int(part.strip()) for part in text.split(","))
+
+
+# --------------------------------------------------------------------------------------------- demo
+
+
+def rel_l2(out, ref) -> float:
     out = np.asarray(out, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def _demo_cpu(args, folder):
-    from . import MoELayer
-    from .testing import dense_layer_output, write_checkpoint
-    spec = MODELS["tiny"] if args.model is None else MODELS[args.model]
-    t0 = time.perf_counter()
-    write_checkpoint(folder, num_layers=1, return_weights=False, seed=args.seed, **spec)
-    layer = MoELayer.from_checkpoint(folder, 0, device=False)
-    x = np.random.default_rng(args.seed).standard_normal((args.tokens, spec["hidden"])).astype(np.float16)
-    y = layer(x)
-    err = _rel_l2(y, dense_layer_output(layer, x))
-    print(f"model {args.model or 'tiny'} ({spec['family']}): H={spec['hidden']} I={spec['intermediate']} "
-          f"E={spec['num_experts']} A={spec['top_k']} G={spec['group_size']}, {args.tokens} tokens, NumPy path")
-    print(f"check: relative L2 error vs dense float64 on dequantized weights = {err:.2e} (bar 1e-3)")
-    print(f"took {time.perf_counter() - t0:.1f} s. No CUDA GPU here: the GPU path needs one "
-          "(install with the cuda12 or cuda13 extra on a machine with an NVIDIA GPU).")
-    return 0 if err <= 1e-3 else 1
+def describe(shape, tokens: int) -> str:
+    shared = f", shared experts of intermediate {shape.shared_intermediate}" if shape.shared_intermediate else ""
+    return (f"{shape.name} layer ({shape.family} naming): hidden size {shape.hidden}, expert intermediate size "
+            f"{shape.intermediate}, {shape.num_experts} experts, top-{shape.top_k} routing{shared}; GPTQ 4-bit, "
+            f"group size {shape.group_size}; {tokens} tokens")
 
 
-def _copy_bandwidth(cp) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    src = cp.ones(1 << 28, cp.uint8)
-    dst = cp.empty_like(src)
-    times = _time_events(cp, lambda: cp.copyto(dst, src), reps=20)
-    return 2 * src.nbytes / times
+def verdict(err: float, what: str) -> str:
+    return (f"check: {what}: relative L2 error {err:.2e}, at most {CHECK_BAR:.0e} passes: "
+            f"{'PASS' if err <= CHECK_BAR else 'FAIL'}")
 
 
-def _time_events(cp, fn, reps=50, warmup=5, stream=None) -> float:
-    """Median seconds of fn() measured with CUDA events on `stream` (default: the current one) after warm-up."""
-    for _ in range(warmup):
-        fn()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    samples = []
-    for _ in range(reps):
-        start.record(stream)
-        fn()
-        stop.record(stream)
-        stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop) / 1e3)
-    return float(np.median(samples))
+def host_chunk(shape) -> int:
+    """Tokens per call of the NumPy paths: they dequantize every expert a call's tokens touch to float64 (8 bytes a
+    weight, 3*H*I weights an expert), so a call takes at most as many tokens as keep that under HOST_FLOAT64_BYTES."""
+    per_token = shape.top_k * 8 * 3 * shape.hidden * shape.intermediate
+    return max(1, HOST_FLOAT64_BYTES // per_token)
 
 
-def _demo_gpu(args, folder):
-    import cupy as cp
-    from . import MoELayer
+def in_chunks(fn, x, chunk: int, step: Steps, what: str) -> np.ndarray:
+    """fn(x) computed `chunk` rows at a time (the rows of a MoE layer are independent), reporting each chunk."""
+    out = []
+    for start in range(0, x.shape[0], chunk):
+        step.say(f"{what}: tokens {start + 1}-{min(start + chunk, x.shape[0])} of {x.shape[0]}")
+        out.append(np.asarray(fn(x[start:start + chunk])))
+    return np.concatenate(out)
+
+
+def write_demo_checkpoint(folder, shape, seed):
     from .testing import write_checkpoint
-    name = args.model or "mixtral-8x7b"
-    spec = MODELS[name]
+    write_checkpoint(folder, family=shape.family, num_layers=1, hidden=shape.hidden, intermediate=shape.intermediate,
+                     num_experts=shape.num_experts, top_k=shape.top_k, group_size=shape.group_size,
+                     shared_intermediate=shape.shared_intermediate or None, return_weights=False, seed=seed)
+
+
+def demo_cpu(args, folder, shape, why: str) -> int:
+    from . import MoELayer
+    from .testing import dense_layer_output
+    check = min(args.tokens, args.check_tokens)
+    chunk = host_chunk(shape)
+    print(describe(shape, args.tokens) + "; NumPy reference path")
     t0 = time.perf_counter()
-    write_checkpoint(folder, num_layers=1, return_weights=False, seed=args.seed, **spec)
-    t_write = time.perf_counter() - t0
-    layer = MoELayer.from_checkpoint(folder, 0, device=True)
-    w = layer.weights
-    print(f"model {name} ({spec['family']}): H={w.hidden_size} I={w.intermediate_size} E={w.num_experts} "
-          f"A={w.top_k} G={spec['group_size']}, packed layer {w.nbytes / 2**20:.0f} MiB "
-          f"(checkpoint written in {t_write:.1f} s)")
+    with steps(4) as step:
+        step.next("writing the checkpoint (random weights, GPTQ-quantized)")
+        write_demo_checkpoint(folder, shape, args.seed)
+        step.next("loading layer 0")
+        layer = MoELayer.from_checkpoint(folder, 0, device=False)
+        step.next("running the layer")
+        x = np.random.default_rng(args.seed).standard_normal((args.tokens, shape.hidden)).astype(np.float16)
+        y = in_chunks(layer, x, chunk, step, "running the layer")
+        step.next("checking")
+        ref = in_chunks(lambda rows: dense_layer_output(layer, rows), x[:check], chunk, step,
+                        "checking against float64 loops")
+        err = rel_l2(y[:check], ref)
+    print(verdict(err, f"{check} tokens against float64 loops over the dequantized weights"))
+    print(f"took {time.perf_counter() - t0:.1f} s. {why}")
+    return 0 if err <= CHECK_BAR else 1
 
-    rng = np.random.default_rng(args.seed)
-    x_host = rng.standard_normal((args.tokens, w.hidden_size)).astype(np.float16)
-    x = cp.asarray(x_host)
-    y = layer(x)
 
-    # Check a few tokens against the NumPy reference (it dequantizes every touched expert in float64).
-    check = min(args.tokens, 2)
-    host_layer = MoELayer.from_checkpoint(folder, 0, device=False)
-    ref = host_layer(x_host[:check])
-    err = _rel_l2(cp.asnumpy(y[:check]), ref)
-    print(f"check: {check} tokens vs the NumPy reference, relative L2 error = {err:.2e} (bar 1e-3)")
-
-    captured = layer.capture(x)
-    seconds = _time_events(cp, captured.replay, reps=args.reps, stream=captured.stream)
-    _, ids = layer.route(x)
-    touched = int(cp.unique(ids).size)
-    expert_bytes = (w.w13.nbytes + w.w2.nbytes) / w.num_experts
-    shared_bytes = 0 if w.shared is None else sum(
-        getattr(p, "nbytes", 0) for p in (w.shared.gate_up, w.shared.down))
-    floor_bytes = touched * expert_bytes + shared_bytes + 2 * x.nbytes
-    bw = _copy_bandwidth(cp)
-    floor = floor_bytes / bw
-    print(f"time per layer, {args.tokens} tokens, CUDA graph replay, median of {args.reps}: {seconds * 1e6:.1f} us; "
-          f"memory floor {floor * 1e6:.1f} us ({touched} experts touched, {floor_bytes / 2**20:.0f} MiB at "
-          f"{bw / 1e12:.2f} TB/s copy bandwidth): {floor / seconds:.0%} of the floor")
-    return 0 if err <= 1e-3 else 1
+def demo_gpu(args, folder, shape, cp) -> int:
+    from . import MoELayer
+    from .timing import copy_bandwidth, event_time
+    print(describe(shape, args.tokens) + "; GPU path")
+    check = min(args.tokens, args.check_tokens)
+    with steps(5) as step:
+        step.next("writing the checkpoint (random weights, GPTQ-quantized)")
+        t0 = time.perf_counter()
+        write_demo_checkpoint(folder, shape, args.seed)
+        t_write = time.perf_counter() - t0
+        step.next("loading layer 0 onto the GPU")
+        layer = MoELayer.from_checkpoint(folder, 0, device=True)
+        w = layer.weights
+        step.next("running the layer (the first call compiles the kernels)")
+        x_host = np.random.default_rng(args.seed).standard_normal((args.tokens, w.hidden_size)).astype(np.float16)
+        x = cp.asarray(x_host)
+        y = cp.asnumpy(layer(x)[:check])
+        step.next("checking")
+        ref = in_chunks(MoELayer.from_checkpoint(folder, 0, device=False), x_host[:check], host_chunk(shape), step,
+                        "checking against the NumPy reference")
+        err = rel_l2(y, ref)
+        step.next(f"timing {args.reps} CUDA graph replays")
+        captured = layer.capture(x)
+        seconds = event_time(lambda i: captured.replay(), reps=args.reps, stream=captured.stream)
+        _, ids = layer.route(x)
+        touched = int(cp.unique(ids).size)
+        expert_bytes = (w.w13.nbytes + w.w2.nbytes) / w.num_experts
+        shared_bytes = 0 if w.shared is None else sum(
+            getattr(p, "nbytes", 0) for p in (w.shared.gate_up, w.shared.down))
+        floor_bytes = touched * expert_bytes + shared_bytes + 2 * x.nbytes
+        bandwidth = copy_bandwidth()
+    print(f"packed layer {w.nbytes / 2**20:.0f} MiB (checkpoint written in {t_write:.1f} s)")
+    print(verdict(err, f"{check} tokens against the NumPy reference"))
+    floor = floor_bytes / bandwidth
+    print(f"time per layer call, {args.tokens} tokens (CUDA graph replay, median of {args.reps}): "
+          f"{seconds * 1e6:.1f} us")
+    print(f"memory floor: {floor * 1e6:.1f} us to read {floor_bytes / 2**20:.0f} MiB ({touched} experts touched) at "
+          f"the {bandwidth / 1e12:.2f} TB/s copy bandwidth measured now; this call runs at {floor / seconds:.0%} "
+          "of that floor")
+    return 0 if err <= CHECK_BAR else 1
 
 
 def demo(args) -> int:
-    from ._xp import gpu_available
+    problem = gpu_problem()
+    on_gpu = problem is None and not args.cpu
+    shape = get_model(args.model or ("Mixtral-8x7B" if on_gpu else "tiny"))
     with tempfile.TemporaryDirectory(prefix="cupy_moe_demo_") as tmp:
-        folder = Path(args.dir) if args.dir else Path(tmp)
-        print(f"writing a synthetic GPTQ MoE checkpoint to {folder}")
-        if gpu_available() and not args.cpu:
-            return _demo_gpu(args, folder)
-        return _demo_cpu(args, folder)
+        if args.dir:
+            folder = Path(args.dir)
+            print(f"writing a synthetic GPTQ MoE checkpoint to {folder} (kept)")
+        else:
+            folder = Path(tmp)
+            print("writing a synthetic GPTQ MoE checkpoint to a temporary folder (--dir DIR keeps it)")
+        if on_gpu:
+            import cupy
+            return demo_gpu(args, folder, shape, cupy)
+        why = ("NumPy path as asked (--cpu)." if args.cpu else
+               f"The GPU path did not run: {problem}.")
+        return demo_cpu(args, folder, shape, why)
+
+
+# --------------------------------------------------------------------------------------------- inspect
+
+
+def mib(nbytes) -> str:
+    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 / 10 else f"{nbytes / 2**10:,.1f} KiB"
+
+
+def plural(n, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    """Rows of cells as aligned text lines; the first row is the header, columns in `right` align right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            .rstrip() for row in rows]
+
+
+def format_inspection(info: dict) -> list[str]:
+    """What `inspect` prints: labelled lines, the layers in order, the tensors by role and dtype, the files (when
+    there are several), the problems."""
+    q = info["quantization"]
+    model_type = info.get("model_type") or "not given"
+    arch = ", ".join(info.get("architectures") or []) or "not given"
+    family = f"{info['family']} (model_type {model_type}; architectures {arch})"
+    if info.get("naming"):
+        family += f"; tensor names: {info['naming']}"
+    routing = (f"top-{info['top_k']} of {info['num_experts']} experts, {info.get('scoring_func') or 'softmax'} "
+               f"scores, {'renormalized' if info.get('renormalize') else 'not renormalized'}")
+    extra = info.get("routing") or {}
+    if (extra.get("topk_method") or {}).get("value") not in (None, "greedy"):
+        routing += f", {extra['topk_method']['value']} selection"
+    if (extra.get("routed_scaling_factor") or {}).get("value") not in (None, 1, 1.0):
+        routing += f", scaled by {extra['routed_scaling_factor']['value']}"
+    group = "one group per column (-1)" if q["group_size"] == -1 else f"group size {q['group_size']}"
+    quant = (f"{q['method'].upper()} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}, "
+             f"act-order {'yes' if q['desc_act'] else 'no'}, format {q['checkpoint_format']} "
+             f"(read from {q['source']})")
+    if q.get("dynamic"):
+        quant += f"; per-module rules: {len(q['dynamic'])}"
+    layers = sorted(info["layers"], key=lambda row: row["layer"])
+    moe = sum(row.get("kind", "moe") == "moe" for row in layers)
+    tensors = sum(f.get("tensors", 0) for f in info["files"])
+    lines = table([
+        ["checkpoint", info["path"]],
+        ["family", family],
+        ["sizes", f"hidden {info['hidden_size']}, expert intermediate {info['intermediate_size']}"],
+        ["routing", routing],
+        ["quantization", quant],
+        ["layers", f"{info['num_layers']} in all: {moe} MoE, {len(layers) - moe} dense"],
+        ["files", f"{plural(len(info['files']), 'file')}, {plural(tensors, 'tensor')}, {mib(info['total_bytes'])}"],
+    ])
+    rows = []
+    for row in layers:
+        if row.get("kind", "moe") == "moe":
+            shared = row.get("shared_experts") or 0
+            rows.append([str(row["layer"]), "MoE", f"{row['experts_found']}/{info['num_experts']}",
+                         str(row["experts"] or "none"), mib(row["expert_bytes"]),
+                         f"{shared} ({row.get('shared_storage') or 'unknown'})" if shared else "none"])
+        else:
+            rows.append([str(row["layer"]), "dense", "", "", "", f"({row.get('reason') or 'no experts'})"])
+    if rows:
+        lines += ["", *table([["layer", "kind", "experts", "stored as", "expert weights", "shared experts"]] + rows,
+                             right={0, 4})]
+    by_role = [[role, dtype, str(v["count"]), mib(v["bytes"])]
+               for role, dtypes in (info.get("tensors") or {}).items() for dtype, v in sorted(dtypes.items())]
+    if by_role:
+        lines += ["", *table([["tensors", "dtype", "count", "size"]] + by_role, right={2, 3})]
+    if len(info["files"]) > 1:
+        lines += ["", *table([["file", "tensors", "size"]] + [[f["name"], str(f["tensors"]), mib(f["bytes"])]
+                                                           for f in info["files"]], right={1, 2})]
+    if info.get("problems"):
+        lines += ["", *(f"problem: {problem}" for problem in info["problems"])]
+    return lines
 
 
 def inspect(args) -> int:
     from .checkpoint import inspect_checkpoint
-    info = inspect_checkpoint(args.path)
+    path = Path(args.path)
+    if not path.exists():
+        raise CliError(f"{path}: no such folder")
+    if not path.is_dir():
+        raise CliError(f"{path}: expected a checkpoint folder (config.json and *.safetensors), got a file; "
+                       f"try its folder {path.parent}")
+    try:
+        info = inspect_checkpoint(path)
+    except (OSError, ValueError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        name, sep, rest = text.partition(": ")  # "model.safetensors: truncated ...": name the file by its path
+        if sep and name and (path / name).exists():
+            text = f"{path / name}: {rest}"
+        elif not text.startswith(str(path)):
+            text = f"{path}: {text}"
+        raise CliError(text) from exc
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
-    q = info["quantization"]
-    print(f"{info['path']}: {info['family']} ({info.get('model_type')}), {info['num_layers']} layers, "
-          f"{len(info['moe_layers'])} MoE layers, E={info['num_experts']} A={info['top_k']} "
-          f"H={info['hidden_size']} I={info['intermediate_size']}")
-    print(f"quantization: {q['method']} bits={q['bits']} group_size={q['group_size']} sym={q['sym']} "
-          f"desc_act={q['desc_act']} format={q['checkpoint_format']} (from {q['source']})")
-    print(f"files: {len(info['files'])}, {info['total_bytes'] / 2**20:.1f} MiB")
-    for row in info["layers"]:
-        print(f"  layer {row['layer']}: {row['experts_found']} experts ({row['experts']}), "
-              f"{row['expert_bytes'] / 2**20:.2f} MiB packed, shared experts: {row['shared_experts']}")
-    for layer, why in info.get("dense_layers", {}).items():
-        print(f"  layer {layer}: dense ({why})")
-    for problem in info.get("problems", []):
-        print(f"  problem: {problem}")
+    else:
+        print("\n".join(format_inspection(info)))
     return 1 if info.get("problems") else 0
 
 
-def bench(args) -> int:
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_gemm.py"
+# --------------------------------------------------------------------------------------------- bench
+
+
+def benchmark_script() -> Path:
+    """benchmarks/bench_gemm.py of the source checkout this package runs from (a wheel does not ship it)."""
+    root = Path(__file__).resolve().parent.parent
+    script = root / BENCHMARK
     if not script.is_file():
-        print("python -m cupy_moe bench runs benchmarks/bench_gemm.py from a checkout of cupy_moe; "
-              f"{script} is not there", file=sys.stderr)
-        return 2
-    sys.argv = [str(script), *args.rest]
+        raise CliError(f"bench runs {BENCHMARK.as_posix()} from a source checkout of cupy_moe, and this "
+                       f"installation ({root}) has none: clone the repository, install it with pip install -e, "
+                       "and run the command from there")
+    return script
+
+
+def run_script(script: Path, argv: list[str]) -> int:
+    """Run `script` as __main__ with sys.argv = [script, *argv]; its exit status."""
+    saved = sys.argv
+    sys.argv = [str(script), *argv]
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit as exc:
-        return int(exc.code or 0)
+    except SystemExit as exc:  # sys.exit(n), or sys.exit("message"): Python prints the message, status 1
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    finally:
+        sys.argv = saved
     return 0
+
+
+def bench(args) -> int:
+    from . import _xp
+    script = benchmark_script()
+    if _xp.cupy is None:
+        raise CliError(gpu_problem())
+    # The benchmark parses its arguments first (an error prints its usage, status 2; --help lists its options
+    # with no GPU needed), then measures on the GPU: a failure on a machine without one is that.
+    problem = gpu_problem()
+    try:
+        return run_script(script, args.rest)
+    except Exception as exc:
+        if problem:
+            raise CliError(problem) from exc
+        raise
+
+
+# --------------------------------------------------------------------------------------------- tune
 
 
 def tune(args) -> int:
     from .tune import tune as run_tune
-    models = args.models.split(",") if args.models else None
-    run_tune(models, tuple(int(v) for v in args.m.split(",")), reps=args.reps, save=not args.dry_run)
+    models = args.models or list(BENCHMARK_MODELS)
+    require_gpu()
+    with progress_bar(total=len(models) * 2 * len(args.m), unit="problem", desc="tuning", leave=False) as bar:
+        def log(line):  # one line per (model, phase, M) measured, then the line that says where it saved
+            bar.write(line, file=sys.stdout)
+            if bar.n < bar.total:
+                bar.update(1)
+        run_tune(models, args.m, reps=args.reps, save=not args.dry_run, log=log)
     return 0
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cupy_moe", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+# --------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error instead of one line (also: {DEBUG_ENV}=1)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    names = ", ".join(MODELS)
     p = sub.add_parser("demo", help="write a synthetic GPTQ MoE checkpoint, run one layer, check it, time it")
-    p.add_argument("--model", choices=sorted(MODELS), default=None,
-                   help="layer shapes (default: mixtral-8x7b on a GPU, tiny on the CPU)")
-    p.add_argument("--tokens", type=int, default=8, help="tokens M in the batch (default 8)")
-    p.add_argument("--reps", type=int, default=50, help="timed graph replays (default 50)")
+    p.add_argument("--model", type=model_name, default=None,
+                   help=f"layer shapes, any case: {names} (default Mixtral-8x7B on a GPU, tiny on the CPU)")
+    p.add_argument("--tokens", type=positive_int, default=8, help="tokens M in the batch (default 8)")
+    p.add_argument("--check-tokens", type=positive_int, default=2,
+                   help="tokens checked against the float64 reference (default 2)")
+    p.add_argument("--reps", type=positive_int, default=50, help="timed graph replays on the GPU (default 50)")
     p.add_argument("--dir", help="keep the checkpoint in this folder instead of a temporary one")
     p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights and inputs (default 0)")
     p.set_defaults(func=demo)
-    p = sub.add_parser("inspect", help="describe a checkpoint from its configs and headers (no tensor data)")
-    p.add_argument("path")
+    p = sub.add_parser("inspect", help="describe a checkpoint folder from its configs and headers (no tensor data); "
+                                       "exit status 1 when it found problems")
+    p.add_argument("path", help="the checkpoint folder (config.json, quantization config, *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the full description as JSON")
     p.set_defaults(func=inspect)
-    p = sub.add_parser("bench", help="run benchmarks/bench_gemm.py (arguments after -- go to it)")
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=bench)
+    # bench takes no options of its own: everything after it goes to the benchmark (see main)
+    sub.add_parser("bench", add_help=False,
+                   help=f"run {BENCHMARK.as_posix()} from the checkout; every argument after `bench` (an optional "
+                        "`--` first) goes to it: `bench --help` lists them")
     p = sub.add_parser("tune", help="time GEMM configurations on this GPU and keep the fastest per problem in its "
                                     "tuned table")
-    p.add_argument("--models", help="comma-separated names of cupy_moe.models, any case (default: the benchmark models)")
-    p.add_argument("--m", default="1,4,16,64,256,1024,4096", help="token counts M (default 1,4,16,64,256,1024,4096)")
-    p.add_argument("--reps", type=int, default=10, help="calls per timing round (default 10)")
+    p.add_argument("--models", type=model_list, default=None,
+                   help=f"comma-separated model names, any case (default all: {', '.join(BENCHMARK_MODELS)})")
+    p.add_argument("--m", type=token_counts, default=(1, 4, 16, 64, 256, 1024, 4096),
+                   help="comma-separated token counts M (default 1,4,16,64,256,1024,4096)")
+    p.add_argument("--reps", type=positive_int, default=10, help="graph replays per candidate (default 10)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, but do not write the table")
     p.set_defaults(func=tune)
-    args = parser.parse_args(argv)
-    return args.func(args)
+    return parser
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Parse argv; for `bench`, every token after the command is kept verbatim in `rest` for the benchmark."""
+    parser = build_parser()
+    command_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if command_at is not None and argv[command_at] == "bench":
+        args = parser.parse_args(argv[:command_at + 1])
+        rest = argv[command_at + 1:]
+        args.rest = rest[1:] if rest[:1] == ["--"] else rest
+        args.func = bench
+        return args
+    return parser.parse_args(argv)
+
+
+def error_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, (CliError, OSError, ValueError, TypeError, RuntimeError)):
+        return text or type(exc).__name__
+    return f"{type(exc).__name__}: {text} (--debug shows where)"
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        if debug:
+            raise
+        print(f"{PROG} {args.command}: error: {error_line(exc)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -24,3 +24,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    if config.option.markexpr == "not compile":
+        return "compile matrix (every kernel instance, every arch, NVRTC) deselected: pytest -m compile runs it"
+    return None
