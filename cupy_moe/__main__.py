@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ._progress import progress_bar
 from .models import BENCHMARK_MODELS, MODELS, get_model
 
 PROG = "python -m cupy_moe"
@@ -42,20 +43,6 @@ class Parser(argparse.ArgumentParser):
 
 
 # --------------------------------------------------------------------------------------------- progress and GPU
-
-
-def progress_enabled() -> bool:
-    """Progress bars only on an interactive stderr: piped or redirected output stays clean."""
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
-def progress_bar(**kwargs):
-    """A tqdm bar on stderr, disabled when stderr is not a terminal."""
-    from tqdm import tqdm
-    return tqdm(file=sys.stderr, disable=not progress_enabled(), dynamic_ncols=True, **kwargs)
 
 
 class Steps:

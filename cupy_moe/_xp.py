@@ -35,8 +35,8 @@ def require_gpu(what: str):
     """Return the cupy module, or raise a RuntimeError that says why `what` cannot run."""
     if cupy is None:
         raise RuntimeError(
-            f"{what} needs CuPy: install cupy_moe with the extra that matches your CUDA, "
-            "e.g. pip install 'cupy_moe[cuda12]' (or [cuda13])")
+            f"{what} needs CuPy: in the cupy_moe checkout, pip install -e '.[cuda12]' for a CUDA 12 driver "
+            "(or '.[cuda13]' for CUDA 13)")
     if not gpu_available():
         raise RuntimeError(f"{what} needs a CUDA GPU, and CuPy found none on this machine")
     return cupy

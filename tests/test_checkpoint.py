@@ -701,7 +701,7 @@ def test_load_moe_model_progress(ckpt, capsys):
     check_layer(layers[2], w, "deepseek_v3")
     load_model_weights(folder, device=False, progress=True)
     err = capsys.readouterr().err
-    assert "loaded MoE layer 2 (2/2" in err and err.endswith("\n")
+    assert "loading MoE layers" in err and "2/2" in err and "layer 2" in err  # a tqdm bar, forced on
     load_model_weights(folder, device=False)  # stderr is not a terminal under pytest: quiet
     assert capsys.readouterr().err == ""
     assert sorted(load_model_weights(folder, device=False, layers=[2])) == [2]

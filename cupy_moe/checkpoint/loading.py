@@ -14,14 +14,13 @@ read, and nothing half-built is returned. Expected shapes come from `weights.sta
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
 from .. import _packing, _xp
+from .._progress import progress_bar
 from ..weights import StackedGptqWeight, expert_shapes, group_len, stacked_shapes
 from . import routing
 from .folder import Checkpoint, Module
@@ -543,7 +542,7 @@ def load_model_weights(path, *, device: bool = True, progress: bool | Callable |
                        ) -> dict[int, MoELayerWeights]:
     """Load every MoE layer of a checkpoint: {layer index: MoELayerWeights}, dense layers skipped.
 
-    progress: None -> a progress line on stderr when stderr is a terminal; True/False force it on/off;
+    progress: None -> a progress bar on stderr when stderr is a terminal; True/False force it on/off;
         a callable is called as progress(done, total, layer) after each layer.
     layers: only these layer indices (default: every MoE layer config.json describes).
     Other arguments as load_layer_weights. Layers load one after another, each read once.
@@ -551,17 +550,14 @@ def load_model_weights(path, *, device: bool = True, progress: bool | Callable |
     out = {}
     with Checkpoint(path, scheme) as ckpt:
         todo = ckpt.moe_layers() if layers is None else [int(x) for x in layers]
-        show = sys.stderr.isatty() if progress is None else progress
-        t0, total_bytes = time.perf_counter(), 0
-        for done, layer in enumerate(todo, 1):
-            out[layer] = _load_layer(ckpt, layer, device)
-            total_bytes += out[layer].nbytes
-            if callable(show):
-                show(done, len(todo), layer)
-            elif show:
-                sys.stderr.write(f"\rcupy_moe: loaded MoE layer {layer} ({done}/{len(todo)}, "
-                                 f"{total_bytes / 2**30:.2f} GiB, {time.perf_counter() - t0:.1f} s)")
-                sys.stderr.flush()
-        if show and not callable(show):
-            sys.stderr.write("\n")
+        with progress_bar(enabled=False if callable(progress) else progress, total=len(todo), unit="layer",
+                          desc="loading MoE layers") as bar:
+            total_bytes = 0
+            for done, layer in enumerate(todo, 1):
+                out[layer] = _load_layer(ckpt, layer, device)
+                total_bytes += out[layer].nbytes
+                if callable(progress):
+                    progress(done, len(todo), layer)
+                bar.set_postfix_str(f"layer {layer}, {total_bytes / 2**30:.2f} GiB", refresh=False)
+                bar.update()
     return out
