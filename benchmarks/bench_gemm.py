@@ -38,15 +38,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import cupy as cp  # noqa: E402
+import cupy as cp
 
-from cupy_moe import configs  # noqa: E402
-from cupy_moe.align import moe_align_block_size  # noqa: E402
-from cupy_moe.gemm import fused_moe_gemm  # noqa: E402
-from cupy_moe.models import BENCHMARK_MODELS, get_model  # noqa: E402
-from cupy_moe.timing import copy_bandwidth, event_time as timed, graph_time, matmul_rate, roofline_target  # noqa: E402
-from cupy_moe.weights import StackedGptqWeight  # noqa: E402
+from cupy_moe import configs
+from cupy_moe.align import moe_align_block_size
+from cupy_moe.gemm import fused_moe_gemm
+from cupy_moe.models import BENCHMARK_MODELS, get_model
+from cupy_moe.timing import copy_bandwidth, event_time as timed, graph_time, matmul_rate, roofline_target
+from cupy_moe.weights import StackedGptqWeight
 
 G = 128
 BITS = 4

@@ -100,7 +100,7 @@ def gpu_problem() -> str | None:
         return None
     try:
         _xp.cupy.cuda.runtime.getDeviceCount()
-        why = "no device"
+        why = "0 CUDA devices"
     except Exception as exc:  # no driver, or one older than CuPy's CUDA runtime
         why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return (f"no CUDA GPU found (CUDA says: {why}); CuPy {_xp.cupy.__version__} is installed, and needs an NVIDIA "

@@ -27,7 +27,7 @@ def gpu_available() -> bool:
         return False
     try:
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no driver, no device, or a broken runtime
+    except Exception:  # no driver, no CUDA device, or a broken runtime
         return False
 
 

@@ -20,7 +20,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def pytest_collection_modifyitems(config, items):
     if gpu_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU; none found (CuPy missing or no device)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; none found (CuPy missing or no CUDA device)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
