@@ -112,6 +112,65 @@ def _block_size(sorted_token_ids, expert_ids):
     return 16 if sorted_token_ids is None else int(np.size(sorted_token_ids)) // blocks
 
 
+def _check_device_weight(cp, weight, a, a_pair_order):
+    """What the kernels need of the weight beyond its own validation: on this device, 4 or 8 bits, K matching a,
+    K, N and the group size in whole 32-wide chunks."""
+    if not isinstance(weight, StackedGptqWeight):
+        _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
+    if not weight.is_device:
+        _fail("weight", "a StackedGptqWeight on the device (weight.to_device())", "NumPy arrays", TypeError)
+    if weight.qweight.device.id != cp.cuda.Device().id:
+        _fail("weight", f"arrays on the current device {cp.cuda.Device().id}", f"device {weight.qweight.device.id}")
+    bits, gs, k, n = weight.bits, weight.group_size, weight.k, weight.n
+    if bits not in (4, 8):
+        _fail("weight.bits", "4 or 8 (the kernel's dequantizers)", bits)
+    if a_pair_order and bits != 4:
+        _fail("a_pair_order", "False with 8-bit weights (pair order is the 4-bit dequantizer's)", a_pair_order)
+    if a.shape[1] != k:
+        _fail("a", f"K = {k} columns (from weight.qweight {weight.qweight.shape}, {bits}-bit)", f"shape {a.shape}")
+    if k % 32:
+        _fail("K", "a multiple of 32 (the kernel walks K in chunks of 32)", k)
+    if n % 32:
+        _fail("N", "a multiple of 32 (the kernel's column groups)", n)
+    if gs != -1 and gs % 32:
+        _fail("weight.group_size", "-1 or a positive multiple of 32 (a 32-wide K chunk stays inside one group)", gs)
+
+
+def _pair_list(cp, sorted_token_ids, expert_ids, num_tokens_post_padded, p):
+    """(sorted_ids, blocks, post, capacity C, block size B or None without blocks) of the pair list: an aligned
+    list, or one pair per 16-row block (sorted_token_ids and num_tokens_post_padded None, expert_ids = topk_ids)."""
+    one_pair = sorted_token_ids is None and num_tokens_post_padded is None
+    if one_pair:  # expert_ids is topk_ids: one 16-row block per pair
+        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, getattr(expert_ids, "ndim", 1),
+                                  "[P] or [M, top_k] (one pair per block)")
+        if blocks.size != p:
+            _fail("expert_ids", f"M*top_k = {p} expert ids (one pair per block)", f"shape {blocks.shape}")
+        sorted_ids = post = None
+        capacity = 16 * p
+    else:
+        if sorted_token_ids is None or num_tokens_post_padded is None:
+            _fail("sorted_token_ids, num_tokens_post_padded", "both arrays, or both None (one pair per block)",
+                  f"{type(sorted_token_ids).__name__}, {type(num_tokens_post_padded).__name__}", TypeError)
+        sorted_ids = _check_dev_array(cp, "sorted_token_ids", sorted_token_ids, np.int32, 1, "[C]")
+        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, 1, "[C/B]")
+        post = _check_dev_array(cp, "num_tokens_post_padded", num_tokens_post_padded, np.int32, 1, "[1]")
+        if post.shape != (1,):
+            _fail("num_tokens_post_padded", "shape (1,)", post.shape)
+        capacity = sorted_ids.size
+    if blocks.size == 0:
+        if capacity:
+            _fail("expert_ids", f"a block per B entries of sorted_token_ids ({capacity})", "no blocks")
+        block_m = None
+    else:
+        if capacity % blocks.size:
+            _fail("sorted_token_ids", f"a size that is a multiple of expert_ids.size = {blocks.size}", capacity)
+        block_m = capacity // blocks.size
+        if block_m not in configs.SUPPORTED_BLOCK_M:
+            _fail("block size B = sorted_token_ids.size // expert_ids.size",
+                  f"one of {configs.SUPPORTED_BLOCK_M} (align with configs.choose_config(...).block_m)", block_m)
+    return sorted_ids, blocks, post, capacity, block_m
+
+
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
                    topk_weights=None, out=None, *, a_pair_order=False, config=None, workspace=None):
     """out[p, :] = a[p // top_k, :] @ W[expert of p] (* topk_weights[p]), rounded once to a's dtype.
@@ -156,26 +215,9 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     # ---- check (the weight validated its own arrays when it was made; what is checked here is this launch's)
     bf16 = a.dtype.name == "bfloat16"
     _check_dev_array(cp, "a", a, a.dtype, 2, "[M, K]")
-    if not isinstance(weight, StackedGptqWeight):
-        _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
-    if not weight.is_device:
-        _fail("weight", "a StackedGptqWeight on the device (weight.to_device())", "NumPy arrays", TypeError)
-    if weight.qweight.device.id != cp.cuda.Device().id:
-        _fail("weight", f"arrays on the current device {cp.cuda.Device().id}", f"device {weight.qweight.device.id}")
+    _check_device_weight(cp, weight, a, a_pair_order)
     bits, gs, e, k, n = weight.bits, weight.group_size, weight.num_experts, weight.k, weight.n
-    if bits not in (4, 8):
-        _fail("weight.bits", "4 or 8 (the kernel's dequantizers)", bits)
-    if a_pair_order and bits != 4:
-        _fail("a_pair_order", "False with 8-bit weights (pair order is the 4-bit dequantizer's)", a_pair_order)
     m = a.shape[0]
-    if a.shape[1] != k:
-        _fail("a", f"K = {k} columns (from weight.qweight {weight.qweight.shape}, {bits}-bit)", f"shape {a.shape}")
-    if k % 32:
-        _fail("K", "a multiple of 32 (the kernel walks K in chunks of 32)", k)
-    if n % 32:
-        _fail("N", "a multiple of 32 (the kernel's column groups)", n)
-    if gs != -1 and gs % 32:
-        _fail("weight.group_size", "-1 or a positive multiple of 32 (a 32-wide K chunk stays inside one group)", gs)
     group_len, num_groups = weight.group_len, weight.num_groups
     qweight, scales, qzeros, g_idx = weight.qweight, weight.scales, weight.qzeros, weight.g_idx
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
@@ -183,35 +225,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
               ValueError)
     top_k = int(top_k)
     p = m * top_k
-    one_pair = sorted_token_ids is None and num_tokens_post_padded is None
-    if one_pair:  # expert_ids is topk_ids: one 16-row block per pair
-        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, getattr(expert_ids, "ndim", 1),
-                                  "[P] or [M, top_k] (one pair per block)")
-        if blocks.size != p:
-            _fail("expert_ids", f"M*top_k = {p} expert ids (one pair per block)", f"shape {blocks.shape}")
-        sorted_ids = post = None
-        capacity = 16 * p
-    else:
-        if sorted_token_ids is None or num_tokens_post_padded is None:
-            _fail("sorted_token_ids, num_tokens_post_padded", "both arrays, or both None (one pair per block)",
-                  f"{type(sorted_token_ids).__name__}, {type(num_tokens_post_padded).__name__}", TypeError)
-        sorted_ids = _check_dev_array(cp, "sorted_token_ids", sorted_token_ids, np.int32, 1, "[C]")
-        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, 1, "[C/B]")
-        post = _check_dev_array(cp, "num_tokens_post_padded", num_tokens_post_padded, np.int32, 1, "[1]")
-        if post.shape != (1,):
-            _fail("num_tokens_post_padded", "shape (1,)", post.shape)
-        capacity = sorted_ids.size
-    if blocks.size == 0:
-        if capacity:
-            _fail("expert_ids", f"a block per B entries of sorted_token_ids ({capacity})", "no blocks")
-        block_m = None
-    else:
-        if capacity % blocks.size:
-            _fail("sorted_token_ids", f"a size that is a multiple of expert_ids.size = {blocks.size}", capacity)
-        block_m = capacity // blocks.size
-        if block_m not in configs.SUPPORTED_BLOCK_M:
-            _fail("block size B = sorted_token_ids.size // expert_ids.size",
-                  f"one of {configs.SUPPORTED_BLOCK_M} (align with configs.choose_config(...).block_m)", block_m)
+    sorted_ids, blocks, post, capacity, block_m = _pair_list(cp, sorted_token_ids, expert_ids,
+                                                             num_tokens_post_padded, p)
     if capacity >= 2**31 or p >= 2**31:
         _fail("sorted_token_ids", "fewer than 2**31 rows", capacity)
     if topk_weights is not None:
