@@ -537,7 +537,9 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
     return;
   }
 
-  // split-K (split_k.cuh): publish this slice's partial tile, then the last CTA of the tile reduces in fixed order
+  // split-K (split_k.cuh's ticket protocol): publish this slice's partial tile, then the last CTA of the tile reduces
+  // in fixed order. The workspace writes and reads are this kernel's own copy: split_k.cuh's publish / sum_slices
+  // change its register allocation and instruction order (NVRTC 12.9), and its code must stay as measured.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -549,7 +551,10 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
         if (!n_ok[ng]) continue;
         float v[8];
         row_values(mt, h, ng, v);
-        splitk::publish(partials, capacity, N, slot, n0[ng] + 8 * t, v);
+        float4* dst = reinterpret_cast<float4*>(
+            partials + (static_cast<long long>(blockIdx.z) * capacity + slot) * N + n0[ng] + 8 * t);
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
       }
     }
   __shared__ int last;
@@ -566,8 +571,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int ng = 0; ng < NG; ++ng) {
         if (!n_ok[ng]) continue;
-        float v[8];
-        splitk::sum_slices(partials, split_k, capacity, N, slot, n0[ng] + 8 * t, v);
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the same result on every run
+          const float4* src = reinterpret_cast<const float4*>(
+              partials + (static_cast<long long>(s) * capacity + slot) * N + n0[ng] + 8 * t);
+          const float4 lo = __ldcg(src), hi = __ldcg(src + 1);
+          v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+          v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+        }
         store(p, n0[ng] + 8 * t, v);
       }
     }

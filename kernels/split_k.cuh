@@ -5,23 +5,16 @@
 // order, rounds once, writes the output and resets the ticket for the next launch (and CUDA graph replay).
 //
 // Each kernel walks its own fragments (its accumulator layout); the workspace layout, the ticket protocol and the
-// fixed-order sum are the functions below. A fragment is W consecutive columns of one slot: W = 2 (the tensor-core
-// accumulator pair) or 8 (moe_gemm's 16-byte rows).
+// fixed-order sum are the functions below. A fragment is the tensor-core accumulator pair: 2 consecutive columns of
+// one slot. moe_gemm (8-column rows) uses the ticket protocol only and keeps its own workspace writes and reads.
 #pragma once
 
 namespace splitk {
 
-// Writes this CTA's partial sums (slice blockIdx.z) of columns col .. col + W - 1 of `slot` into the workspace.
-template <int W>
-__device__ __forceinline__ void publish(float* partials, int capacity, int N, int slot, int col, const float (&v)[W]) {
+// Writes this CTA's partial sums (slice blockIdx.z) of columns col, col + 1 of `slot` into the workspace.
+__device__ __forceinline__ void publish(float* partials, int capacity, int N, int slot, int col, const float (&v)[2]) {
   float* dst = partials + (static_cast<long long>(blockIdx.z) * capacity + slot) * N + col;
-  static_assert(W == 2 || W == 8, "fragment width");
-  if constexpr (W == 2) {
-    *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
-  } else {
-    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
-    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
-  }
+  *reinterpret_cast<float2*>(dst) = make_float2(v[0], v[1]);
 }
 
 // Called by every thread of the CTA after its publish(): true in the CTA that completes the tile (blockIdx.x,
@@ -47,33 +40,20 @@ __device__ __forceinline__ void reset_ticket(int* tickets) {
   if (threadIdx.x == 0) *ticket = 0;
 }
 
-// The tile's sums of columns col .. col + W - 1 of `slot`: every slice's partials added in slice order (L2 reads:
-// the other CTAs wrote them). Written out for the two widths the kernels use: the same sums written as arrays and
-// unrolled loops changed the register allocation of the whole kernel (NVRTC 12.9).
-template <int W>
+// The tile's sums of columns col, col + 1 of `slot`: every slice's partials added in slice order (L2 reads: the
+// other CTAs wrote them). Two scalars rather than an array: the same sums written as arrays and unrolled loops
+// changed the register allocation of the whole kernel (NVRTC 12.9).
 __device__ __forceinline__ void sum_slices(const float* partials, int split_k, int capacity, int N, int slot, int col,
-                                           float (&v)[W]) {
-  static_assert(W == 2 || W == 8, "fragment width");
-  if constexpr (W == 2) {
-    float v0 = 0.f, v1 = 0.f;
-    for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the same result on every run
-      const float2 x =
-          __ldcg(reinterpret_cast<const float2*>(partials + (static_cast<long long>(s) * capacity + slot) * N + col));
-      v0 += x.x;
-      v1 += x.y;
-    }
-    v[0] = v0;
-    v[1] = v1;
-  } else {
-    v[0] = v[1] = v[2] = v[3] = v[4] = v[5] = v[6] = v[7] = 0.f;
-    for (int s = 0; s < split_k; ++s) {  // fixed order
-      const float* src = partials + (static_cast<long long>(s) * capacity + slot) * N + col;
-      const float4* src4 = reinterpret_cast<const float4*>(src);
-      const float4 lo = __ldcg(src4), hi = __ldcg(src4 + 1);
-      v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
-      v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
-    }
+                                           float (&v)[2]) {
+  float v0 = 0.f, v1 = 0.f;
+  for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the same result on every run
+    const float2 x =
+        __ldcg(reinterpret_cast<const float2*>(partials + (static_cast<long long>(s) * capacity + slot) * N + col));
+    v0 += x.x;
+    v1 += x.y;
   }
+  v[0] = v0;
+  v[1] = v1;
 }
 
 }  // namespace splitk
