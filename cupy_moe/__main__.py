@@ -311,6 +311,9 @@ def format_inspection(info: dict) -> list[str]:
         routing += f", {extra['topk_method']['value']} selection"
     if (extra.get("routed_scaling_factor") or {}).get("value") not in (None, 1, 1.0):
         routing += f", scaled by {extra['routed_scaling_factor']['value']}"
+    # where each setting came from: config.json, or the model type's default where the key is absent
+    defaults = [f"{key}={row['value']} [{row['source']}]" for key, row in extra.items()
+                if isinstance(row, dict) and not str(row.get("source", "")).startswith("config.json")]
     group = "one group per column (-1)" if q["group_size"] == -1 else f"group size {q['group_size']}"
     quant = (f"{q['method'].upper()} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}, "
              f"act-order {'yes' if q['desc_act'] else 'no'}, format {q['checkpoint_format']} "
@@ -325,6 +328,8 @@ def format_inspection(info: dict) -> list[str]:
         ["family", family],
         ["sizes", f"hidden {info['hidden_size']}, expert intermediate {info['intermediate_size']}"],
         ["routing", routing],
+        *([["routing defaults", "; ".join(defaults)]] if defaults else []),
+        *([["routing error", info["routing_error"]]] if info.get("routing_error") else []),
         ["quantization", quant],
         ["layers", f"{info['num_layers']} in all: {moe} MoE, {len(layers) - moe} dense"],
         ["files", f"{plural(len(info['files']), 'file')}, {plural(tensors, 'tensor')}, {mib(info['total_bytes'])}"],

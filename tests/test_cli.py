@@ -167,6 +167,21 @@ def test_inspect_summarises_layers_in_order(tmp_path, capsys):
     assert info["moe_layers"] == [1, 2] and info["quantization"]["bits"] == 4
 
 
+def test_inspect_says_which_routing_settings_are_defaults(tmp_path, capsys):
+    # a DeepSeek-V3 config without its selection keys (as transformers 5 writes them): the model type's defaults,
+    # each named with where it came from
+    write_checkpoint(tmp_path, family="deepseek_v3", num_layers=2, hidden=64, intermediate=128, num_experts=8,
+                     top_k=2, return_weights=False)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("topk_method", "n_group", "topk_group"):
+        cfg.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["inspect", str(tmp_path)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("routing defaults"))
+    assert "topk_method=noaux_tc [default for deepseek_v3" in row and "config.json has no topk_method" in row
+    assert "top_k=" not in row  # read from config.json, so not listed here
+
+
 def test_inspect_problems_one_line_each(tmp_path, capsys):
     folder = tmp_path / "ckpt"
     write_checkpoint(folder, num_layers=1, return_weights=False)
