@@ -20,14 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from ._progress import progress_bar
+from ._xp import INSTALL_HINT
 from .models import BENCHMARK_MODELS, MODELS, get_model
 
 PROG = "python -m cupy_moe"
 DEBUG_ENV = "CUPY_MOE_DEBUG"
 CHECK_BAR = 1e-3  # largest relative L2 error of the demo's output against the float64 reference that passes
 HOST_FLOAT64_BYTES = 2 << 30  # float64 expert weights the demo's NumPy paths may hold at once
-INSTALL_HINT = ("from a checkout of cupy_moe: pip install -e \".[cuda12,nvrtc12]\" for a CUDA 12 driver, "
-                "\".[cuda13,nvrtc13]\" for CUDA 13")
 BENCHMARK = Path("benchmarks") / "bench_gemm.py"
 
 

@@ -9,6 +9,10 @@ import functools
 
 import numpy
 
+# how to get CuPy (and NVRTC), for every message that says it is missing
+INSTALL_HINT = ("from a checkout of cupy_moe: pip install -e \".[cuda12,nvrtc12]\" for a CUDA 12 driver, "
+                "\".[cuda13,nvrtc13]\" for CUDA 13")
+
 try:  # CuPy is an optional extra (cuda12 / cuda13).
     import cupy
 except ImportError:  # pragma: no cover - exercised on machines without CuPy
@@ -35,8 +39,7 @@ def require_gpu(what: str):
     """Return the cupy module, or raise a RuntimeError that says why `what` cannot run."""
     if cupy is None:
         raise RuntimeError(
-            f"{what} needs CuPy: in the cupy_moe checkout, pip install -e '.[cuda12]' for a CUDA 12 driver "
-            "(or '.[cuda13]' for CUDA 13)")
+            f"{what} needs CuPy: install cupy_moe with its CUDA extra, {INSTALL_HINT}")
     if not gpu_available():
         raise RuntimeError(f"{what} needs a CUDA GPU, and CuPy found none on this machine")
     return cupy
