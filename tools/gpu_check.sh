@@ -2,10 +2,12 @@
 # One call that checks everything GPU-side and makes the performance figures; logs under $OUT:
 #   tests.log (the test suite), memcheck.log (compute-sanitizer over the GPU tests of the kernels),
 #   bench.txt + bench.json + performance.png (one GEMM phase against the roofline, as in docs/performance.md),
-#   layer.txt (a whole layer in a CUDA graph), demo.txt, tune.txt (python -m cupy_moe tune on one model),
-#   examples.txt, compare.txt + compare.json (with OTHER=<another checkout>: tools/compare_versions.py); when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
+#   layer.txt (a whole layer in a CUDA graph), demo.txt, tune.txt + tuned/ (python -m cupy_moe tune and the table it
+#   writes), examples.txt, compare.txt + compare.json (with OTHER=<another checkout>: tools/compare_versions.py);
+#   when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
-# STAGES picks stages (default all but reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py; TESTS_ARGS to
+# STAGES picks stages (default all but reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py, TUNE_ARGS to
+# python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT; TESTS_ARGS to
 # pytest (default: the whole suite, whose NVRTC compile tests alone take minutes; "-m gpu tests" runs only the tests
 # that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
 set -u
@@ -35,8 +37,9 @@ stage bench "${BENCH_TIMEOUT:-400}" "$OUT/bench.txt" \
   python3 tools/compare_versions.py "$OTHER" --json "$OUT/compare.json" ${COMPARE_ARGS:-}
 stage layer "${LAYER_TIMEOUT:-120}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py
 stage demo "${DEMO_TIMEOUT:-120}" "$OUT/demo.txt" python3 -m cupy_moe demo
-stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" bash -c \
-  'CUPY_MOE_CACHE_DIR=/tmp/tune python3 -m cupy_moe tune --models Qwen3-30B-A3B --m 1,64,1024 --reps 5 && cat /tmp/tune/*.json'
+# the tuner writes this GPU's table (the format of cupy_moe/configs/tuned/) to $OUT/tuned/
+stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" env CUPY_MOE_CACHE_DIR="$OUT/tuned" \
+  python3 -m cupy_moe tune ${TUNE_ARGS:---models Qwen3-30B-A3B --m 1,64,1024 --reps 5}
 stage examples "${EXAMPLES_TIMEOUT:-60}" "$OUT/examples.txt" \
   bash -c 'for f in examples/*.py; do echo "== $f"; python3 "$f" || echo "FAILED $f"; done'
 
@@ -46,3 +49,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | head -n 25
 [[ -f $OUT/layer.txt ]] && cat "$OUT/layer.txt"
 [[ -f $OUT/demo.txt ]] && tail -n 4 "$OUT/demo.txt"
 printf '%s\n' "${summary[@]}"
+# PACK=1: everything in one archive (the device tool returns at most 8 files)
+if [[ ${PACK:-0} == 1 ]]; then
+  tar czf /tmp/gpu_check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tgz "$OUT/"
+fi
