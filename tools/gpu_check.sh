@@ -7,9 +7,9 @@
 #   when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
 # STAGES picks stages (default all but reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py, TUNE_ARGS to
-# python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT; TESTS_ARGS to
-# pytest (default: the whole suite, whose NVRTC compile tests alone take minutes; "-m gpu tests" runs only the tests
-# that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
+# python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
+# TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
+# tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
