@@ -11,7 +11,7 @@ import numpy as np
 
 from ._xp import require_gpu
 
-__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "roofline_target"]
+__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "layer_target", "roofline_target"]
 
 
 def event_time(fn: Callable[[int], object], reps: int = 20, warmup: int = 3, stream=None) -> float:
@@ -82,3 +82,9 @@ def roofline_target(m: int, traffic_floor: float, flop_floor: float) -> float | 
     if m >= 128:
         return max(traffic_floor, flop_floor) / 0.70
     return None
+
+
+def layer_target(phase_floors: float) -> float:
+    """The time (seconds) a whole layer in a CUDA graph should take at most: the sum of its two GEMM phases' floors
+    (roofline of each) over 0.70, plus 3 us for the launches between them."""
+    return phase_floors / 0.70 + 3e-6

@@ -1,7 +1,7 @@
 """The performance targets of `cupy_moe.timing` (the timing functions themselves need a GPU). CPU only."""
 import pytest
 
-from cupy_moe.timing import roofline_target
+from cupy_moe.timing import layer_target, roofline_target
 
 us = 1e-6
 
@@ -16,3 +16,9 @@ def test_roofline_targets_by_regime():
     assert roofline_target(4096, 60 * us, 350 * us) == pytest.approx(500 * us)
     # between the regimes: no target
     assert roofline_target(65, 60 * us, 50 * us) is None and roofline_target(127, 1 * us, 1 * us) is None
+
+
+def test_layer_target_adds_launch_time_to_the_phase_floors():
+    us = 1e-6
+    assert layer_target(7 * us) == pytest.approx(13 * us)      # 7 / 0.70 + 3
+    assert layer_target(0.0) == pytest.approx(3 * us)

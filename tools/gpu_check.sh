@@ -35,7 +35,7 @@ stage bench "${BENCH_TIMEOUT:-400}" "$OUT/bench.txt" \
 [[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 [[ -n ${OTHER:-} ]] && stage compare "${COMPARE_TIMEOUT:-400}" "$OUT/compare.txt" \
   python3 tools/compare_versions.py "$OTHER" --json "$OUT/compare.json" ${COMPARE_ARGS:-}
-stage layer "${LAYER_TIMEOUT:-120}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py
+stage layer "${LAYER_TIMEOUT:-120}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py --targets roofline
 stage demo "${DEMO_TIMEOUT:-120}" "$OUT/demo.txt" python3 -m cupy_moe demo
 # the tuner writes this GPU's table (the format of cupy_moe/configs/tuned/) to $OUT/tuned/
 stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" env CUPY_MOE_CACHE_DIR="$OUT/tuned" \

@@ -161,8 +161,8 @@ class GemmConfig:
                 f"{self.ng}, {self.ku}, {self.stages}, {gm}, {self.min_ctas(act_order)}, {b(pair_a)}>")
 
     def smem_bytes(self, bits: int, hopper: bool = False) -> int:
-        """Dynamic shared memory of one launch (must match TcSmem in moe_gemm_prefill.cu, SwappedSmem in moe_gemm_swapped.cu); 0 for kind "reg"
-        (static).
+        """Dynamic shared memory of one launch (must match TcSmem in moe_gemm_prefill.cu and SwappedSmem in
+        moe_gemm_swapped.cu); 0 for kind "reg" (static).
 
         tc: per 32-k step (ku of them per stage) the activation rows, raw qweight rows, scales and zero words, plus
         two B buffers of ku tiles; the wgmma variant (hopper) rounds steps to 512 bytes and adds 1 KiB to align the
