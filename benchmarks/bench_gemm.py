@@ -41,6 +41,7 @@ import numpy as np
 import cupy as cp
 
 from cupy_moe import configs
+from cupy_moe._progress import progress_bar
 from cupy_moe.align import moe_align_block_size
 from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import BENCHMARK_MODELS, get_model
@@ -221,23 +222,27 @@ def main(argv=None):
     hdr = (f"{'model':18s} {'phase':7s} {'M':>5s} {'B':>3s} {'S':>2s} {'time us':>9s} {'TB/s':>6s} {'TFLOP/s':>8s} "
            f"{'floor':>6s} {'flops':>6s} {'roof':>6s} {'base us':>9s} {'vs base':>7s} {'target':>9s}")
     print(hdr + ("  sha1" if args.checksums else ""))
-    for model in models:
-        for phase in args.phases.split(","):
-            for m in (int(v) for v in args.m.split(",")):
-                row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters, baseline=not args.no_baseline,
-                                dtype=dtype, tiles=tiles, natural_down=args.natural_down, checksums=args.checksums)
-                if args.targets:
-                    row["target_us"] = target_us(row, args.targets)
-                    row["pass"] = row["target_us"] is None or row["time_us"] <= row["target_us"]
-                rows.append(row)
-                target = row.get("target_us")
-                mark = "" if not args.targets else "" if row["pass"] else "  MISS"
-                print(f"{model:18s} {phase:7s} {m:5d} {row['shape']:>3s} {row['split_k']:2d} {row['time_us']:9.1f} "
-                      f"{row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} {row['flop_ratio']:6.2f} "
-                      f"{row['roofline_ratio']:6.2f} {row['baseline_us']:9.1f} {row['baseline_ratio']:7.2f} "
-                      f"{'-' if target is None else f'{target:.1f}':>9s}" + mark
-                      + (f"  {row['sha1']}" if args.checksums else ""), flush=True)
-                cp.get_default_memory_pool().free_all_blocks()
+    problems = [(model, phase, int(m)) for model in models for phase in args.phases.split(",")
+                for m in args.m.split(",")]
+    # a bar under the rows while they are measured (on a terminal only); the rows go to stdout through it
+    with progress_bar(total=len(problems), unit="row", desc="measuring", leave=False) as bar:
+        for model, phase, m in problems:
+            row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters, baseline=not args.no_baseline,
+                            dtype=dtype, tiles=tiles, natural_down=args.natural_down, checksums=args.checksums)
+            if args.targets:
+                row["target_us"] = target_us(row, args.targets)
+                row["pass"] = row["target_us"] is None or row["time_us"] <= row["target_us"]
+            rows.append(row)
+            target = row.get("target_us")
+            mark = "" if not args.targets else "" if row["pass"] else "  MISS"
+            bar.write(f"{model:18s} {phase:7s} {m:5d} {row['shape']:>3s} {row['split_k']:2d} "
+                      f"{row['time_us']:9.1f} {row['tbps']:6.2f} {row['tflops']:8.1f} {row['floor_ratio']:6.2f} "
+                      f"{row['flop_ratio']:6.2f} {row['roofline_ratio']:6.2f} {row['baseline_us']:9.1f} "
+                      f"{row['baseline_ratio']:7.2f} {'-' if target is None else f'{target:.1f}':>9s}" + mark
+                      + (f"  {row['sha1']}" if args.checksums else ""))
+            sys.stdout.flush()
+            bar.update()
+            cp.get_default_memory_pool().free_all_blocks()
     if args.targets:
         print(f"# {sum(r['pass'] for r in rows)}/{len(rows)} rows meet the {args.targets} targets")
     if args.json:
