@@ -22,9 +22,9 @@
 // MINB: CTAs per SM the compiler must fit in registers (1: no bound), chosen by configs.GemmConfig.min_ctas: 4 for the
 // 16 x 128 decode shape in group modes 0 and 1 (nvcc 13.0, sm_90a: 120-128 registers, no spills), 3 for it with
 // act-order and for the 32 x 128 shape (at most 168 registers). The kernel is latency-bound (Nsight Compute at 3
-// CTAs: about one eligible warp per scheduler). H200, 2026-12-03 18:23 UTC, same splits, 4-bit mode 1: 4 CTAs per SM
-// took 0.89-0.97 of the 3-CTA time on 12 of 32 decode rows and 0.97-1.01 on 19; 20:19 UTC (split estimate
-// included): 4-bit G = 32 0.83-0.91 on 7 of 8 rows, 8-bit 0.84-1.06 (geometric mean 0.98), act-order 0.96-1.18.
+// CTAs: about one eligible warp per scheduler). H200, same-run A/B with the same splits, 4-bit mode 1: 4 CTAs per SM
+// took 0.89-0.97 of the 3-CTA time on 12 of 32 decode rows and 0.97-1.01 on 19; with the split estimate
+// included: 4-bit G = 32 0.83-0.91 on 7 of 8 rows, 8-bit 0.84-1.06 (geometric mean 0.98), act-order 0.96-1.18.
 // WK: warps side by side along K. A CTA's K slice is cut into WK warp slices that run at once; warp wk > 0 hands its
 // sums to warp 0 of its (wm, wn) through shared memory, which adds them in the fixed order 1 .. WK-1 (bitwise
 // deterministic). It is split-K without the workspace round trip: the 16 x 32 shape with WK = 4 covers 4 slices of
@@ -134,7 +134,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // 16 bytes that reader (g, t) = ((l % 8 - 2 * (l / 8)) % 8, l / 8) needs, so each quarter-warp reads one whole run
   // and the warp writes 512 contiguous bytes; the reader finds its piece at 8t + (g + 2t) % 8 (the 8 lanes of a
   // 16-byte shared-memory phase hit 8 different bank quads). Lanes read what other lanes copied, hence the two
-  // __syncwarp() in the main loop. (H200, 2026-12-03, benchmarks/ab_kernels.sh: against each lane copying its own
+  // __syncwarp() in the main loop. (H200, same-run A/B of the two kernels: against each lane copying its own
   // piece, 0.6-12% faster with 16-row blocks, most at M = 1, and within 1.5% with 32-row blocks. Nsight Compute had
   // counted 32 shared-memory wavefronts per copy instruction of the old mapping, against 4 ideal.)
   const int cp_row = lane >> 3;
@@ -151,8 +151,8 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   const unsigned ring_cp = gptq::smem_u32(ring + threadIdx.x);  // the lane's copy slot, as a shared address
   // Scales and zero words travel in the same ring, a small one beside it (gring): per stage, scale/zero set u and
   // column group ng, the warp's SZ pieces of 16 bytes: 4 of scales (columns n0 .. n0 + 31), then ZQ of zero words.
-  // (Loaded into registers one stage ahead, as they were until 2026-12-04, the register copy at the end of each
-  // iteration waited for the load issued in the same iteration: every stage paid a full HBM latency.)
+  // (Loaded into registers one stage ahead instead, the register copy at the end of each iteration would wait
+  // for the load issued in the same iteration: every stage would pay a full HBM latency.)
   // Lane l < GPIECES copies piece l of every stage, from g_src (its columns) plus the row of the group.
   constexpr int ZQ = kBits / 4, SZ = kActOrder ? 1 : 4 + ZQ, GPIECES = kActOrder ? 0 : KS * NG * SZ;
   constexpr int G_STAGE = KS * NG * (THREADS / 32) * SZ;  // uint4 per stage

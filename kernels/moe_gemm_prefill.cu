@@ -314,7 +314,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   static_assert(LOOK >= 2, "raw step it+1 must be in flight while step it is dequantized");
   // kEarly: the wgmma path with the second barrier refills the slot of step it-1 right after that barrier (every
   // warpgroup is done with it there) with step it+LOOK+1, instead of the slot of step it-2 after the next top
-  // barrier: one more step in flight. H200, 2026-12-04 14:07 UTC (benchmarks/ab_kernels.sh, 14 rows on 128 x 256
+  // barrier: one more step in flight. H200, same-run A/B of the two kernels (14 rows on 128 x 256
   // tiles, M = 1024 and 4096): 0.930 of the time on the geometric mean (Qwen2-57B-A14B down M = 1024 493 -> 453 us).
   // Issuing the copies after the dequantization instead took 1.35x as long: these tiles wait on their loads.
   constexpr bool kEarly = kWg && !(BM == 64 && BN == 256);  // the wgmma path with the second barrier

@@ -83,7 +83,7 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 
   // ---- copy assignments (as in moe_gemm_tc): per-thread source pointers advanced one 32-k chunk per issued step.
   // Written out again on purpose: one helper struct for both kernels changed moe_gemm_tc's register allocation and
-  // cost its 128 x 256 instance 3-7% (H200, 2026-12-03 17:45, same-run A/B, docs/performance-history.md).
+  // cost its 128 x 256 instance 3-7% (H200, same-run A/B).
   constexpr int A_CH = 4 * T, A_PER = (A_CH + THREADS - 1) / THREADS;
   const unsigned short* a_src[A_PER];
   bool a_ok[A_PER];
