@@ -312,7 +312,8 @@ def format_inspection(info: dict) -> list[str]:
         routing += f", scaled by {extra['routed_scaling_factor']['value']}"
     # where each setting came from: config.json, or the model type's default where the key is absent
     defaults = [f"{key}={row['value']} [{row['source']}]" for key, row in extra.items()
-                if isinstance(row, dict) and not str(row.get("source", "")).startswith("config.json")]
+                if isinstance(row, dict) and row.get("value") is not None
+                and not str(row.get("source", "")).startswith("config.json")]
     group = "one group per column (-1)" if q["group_size"] == -1 else f"group size {q['group_size']}"
     quant = (f"{q['method'].upper()} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}, "
              f"act-order {'yes' if q['desc_act'] else 'no'}, format {q['checkpoint_format']} "
