@@ -66,15 +66,6 @@ _DEQUANT = cp.ElementwiseKernel(
     """, "bench_dequant4")
 
 
-def random_weight(e, k, n, rng_seed):
-    rs = cp.random.RandomState(rng_seed)
-    groups = k // G
-    qweight = rs.randint(-2**31, 2**31 - 1, size=(e, k // 8, n), dtype=cp.int32)
-    scales = (rs.uniform(0.5, 1.5, size=(e, groups, n)) * 4.0 / (16 * math.sqrt(k))).astype(cp.float16)
-    qzeros = rs.randint(-2**31, 2**31 - 1, size=(e, groups, n // 8), dtype=cp.int32)
-    return StackedGptqWeight(qweight, scales, qzeros, None, bits=BITS, group_size=G)
-
-
 def phase_shape(model, phase, m):
     """(K, N, top_k, activation rows, packed weight bytes of one expert) of one phase at M tokens."""
     k, n, top_k = get_model(model).phases()[phase]
@@ -93,7 +84,7 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
     p = rows * top_k
     rng = np.random.default_rng(m * 7 + len(model))
     copies = max(1, min(4, math.ceil(512 * 2**20 / (w_bytes_expert * e))))
-    weights = [random_weight(e, k, n, 11 + c) for c in range(copies)]
+    weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
     gpu = gpu or configs.gpu_info()
     block_m = 16 if m == 1 else None  # fused_moe's M = 1 path: one pair per block
     cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, block_m, gpu=gpu)

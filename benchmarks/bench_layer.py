@@ -21,11 +21,11 @@ from pathlib import Path
 
 import cupy as cp
 import numpy as np
-from bench_gemm import random_weight
 
 from cupy_moe import configs
 from cupy_moe.layer import fused_moe
 from cupy_moe.models import get_model
+from cupy_moe.weights import StackedGptqWeight
 from cupy_moe.timing import copy_bandwidth, graph_time, layer_target, matmul_rate
 
 DEFAULT_MODELS = "Mixtral-8x7B,Qwen3-30B-A3B,DeepSeek-V3"
@@ -34,7 +34,7 @@ DEFAULT_MODELS = "Mixtral-8x7B,Qwen3-30B-A3B,DeepSeek-V3"
 def bench(model, m, copy_bw, mm_rate, rotations=8, reps=30):
     shape = get_model(model)
     h, inter, e, a = shape.hidden, shape.intermediate, shape.num_experts, shape.top_k
-    w13, w2 = random_weight(e, h, 2 * inter, 1), random_weight(e, inter, h, 2)
+    w13, w2 = StackedGptqWeight.random(e, h, 2 * inter, seed=1), StackedGptqWeight.random(e, inter, h, seed=2)
     rng = np.random.default_rng(m)
     x = cp.asarray(rng.standard_normal((m, h)).astype(np.float16))
     sets = []

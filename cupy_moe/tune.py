@@ -10,7 +10,6 @@ configurations may round differently.
 """
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
@@ -26,15 +25,6 @@ __all__ = ["tune"]
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 ROTATIONS = 4
-
-
-def _random_weight(cp, e, k, n, bits, group_size, seed):
-    rs = cp.random.RandomState(seed)
-    groups = -(-k // (k if group_size == -1 else group_size))
-    qweight = rs.randint(-2**31, 2**31 - 1, size=(e, k * bits // 32, n), dtype=cp.int32)
-    scales = (rs.uniform(0.5, 1.5, size=(e, groups, n)) / (2**bits * math.sqrt(k))).astype(cp.float16)
-    qzeros = rs.randint(-2**31, 2**31 - 1, size=(e, groups, n * bits // 32), dtype=cp.int32)
-    return StackedGptqWeight(qweight, scales, qzeros, None, bits=bits, group_size=group_size)
 
 
 def _label(cfg):
@@ -68,7 +58,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
     for shape in shapes:
         e, a = shape.num_experts, shape.top_k
         for phase, (k, n, top_k) in shape.phases().items():
-            weight = _random_weight(cp, e, k, n, bits, group_size, seed=len(found))
+            weight = StackedGptqWeight.random(e, k, n, bits=bits, group_size=group_size, seed=len(found))
             for m in ms:
                 rows = m if phase == "gate_up" else m * a
                 # several routings per timing, so that L2 does not keep one routing's experts between calls

@@ -278,6 +278,20 @@ class StackedGptqWeight:
         return out.to_device() if device else out
 
     @classmethod
+    def random(cls, num_experts: int, k: int, n: int, *, bits: int = 4, group_size: int = 128,
+               seed: int = 0) -> "StackedGptqWeight":
+        """Random codes and zero points (every code value), scales that keep a GEMM's output near unit size, on
+        the current CuPy device: the weights the tuner, the benchmarks and the tools time (speed only; no
+        checkpoint holds them)."""
+        cp = _xp.require_gpu("StackedGptqWeight.random")
+        rs = cp.random.RandomState(seed)
+        groups = num_groups(k, group_size)
+        qweight = rs.randint(-2**31, 2**31 - 1, size=(num_experts, k * bits // 32, n), dtype=cp.int32)
+        scales = (rs.uniform(0.5, 1.5, size=(num_experts, groups, n)) / (2**bits * np.sqrt(k))).astype(cp.float16)
+        qzeros = rs.randint(-2**31, 2**31 - 1, size=(num_experts, groups, n * bits // 32), dtype=cp.int32)
+        return cls(qweight, scales, qzeros, None, bits, group_size)
+
+    @classmethod
     def concat_n(cls, gate: "StackedGptqWeight", up: "StackedGptqWeight") -> "StackedGptqWeight":
         """w13 = [gate | up] along N (gate columns first); see concat_n()."""
         return concat_n(gate, up)

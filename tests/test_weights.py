@@ -366,3 +366,21 @@ def test_from_safetensors_delegates_to_checkpoint(monkeypatch):
     assert StackedGptqWeight.from_safetensors("ckpt", 3, "w13", device=False, scheme="s") == "w"
     assert StackedGptqWeight.from_safetensors("ckpt", 0, "w2") == "w"
     assert calls == [("ckpt", 3, "w13", False, "s"), ("ckpt", 0, "w2", True, None)]
+
+
+@pytest.mark.gpu
+def test_random_weight_for_timing():
+    # the tuner's and benchmarks' weights: valid stacked shapes on the device, seeded, scales near 1/(2**bits sqrt(K))
+    w = StackedGptqWeight.random(3, 256, 64, bits=8, group_size=64, seed=5)
+    assert w.is_device and (w.num_experts, w.k, w.n, w.num_groups) == (3, 256, 64, 4) and w.qzeros is not None
+    again = StackedGptqWeight.random(3, 256, 64, bits=8, group_size=64, seed=5)
+    assert bool((w.qweight == again.qweight).all()) and bool((w.scales == again.scales).all())
+    scale = float(w.scales.astype(np.float32).mean()) * 2**8 * 16
+    assert 0.8 < scale < 1.2
+
+
+def test_random_weight_needs_a_gpu(monkeypatch):
+    from cupy_moe import _xp
+    monkeypatch.setattr(_xp, "gpu_available", lambda: False)
+    with pytest.raises(RuntimeError, match="StackedGptqWeight.random needs"):
+        StackedGptqWeight.random(2, 64, 32)

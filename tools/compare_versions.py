@@ -44,12 +44,10 @@ def import_other(root: Path):
     return module
 
 
-def random_weight(cp, pkg, e, k, n, seed):
-    rs = cp.random.RandomState(seed)
-    qweight = rs.randint(-2**31, 2**31 - 1, size=(e, k * BITS // 32, n), dtype=cp.int32)
-    scales = (rs.uniform(0.5, 1.5, size=(e, k // G, n)) / (2**BITS * np.sqrt(k))).astype(cp.float16)
-    qzeros = rs.randint(-2**31, 2**31 - 1, size=(e, k // G, n * BITS // 32), dtype=cp.int32)
-    return pkg.StackedGptqWeight(qweight, scales, qzeros, None, bits=BITS, group_size=G)
+def same_weight(pkg, weight):
+    """`weight` (this checkout's StackedGptqWeight) as package `pkg`'s own StackedGptqWeight, sharing the arrays."""
+    return pkg.StackedGptqWeight(weight.qweight, weight.scales, weight.qzeros, None, bits=weight.bits,
+                                 group_size=weight.group_size)
 
 
 def digest(cp, x) -> str:
@@ -89,8 +87,9 @@ def main(argv=None) -> int:
     for model in (get_model(name) for name in args.models.split(",")):
         h, inter, e, a = model.hidden, model.intermediate, model.num_experts, model.top_k
         phases = model.phases()
-        weights = {ph: {v: random_weight(cp, pkg, e, k, n, seed) for v, pkg in versions.items()}
-                   for seed, (ph, (k, n, _)) in enumerate(phases.items(), 1)}
+        drawn = {ph: cupy_moe.StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=seed)
+                 for seed, (ph, (k, n, _)) in enumerate(phases.items(), 1)}
+        weights = {ph: {v: same_weight(pkg, w) for v, pkg in versions.items()} for ph, w in drawn.items()}
         for m in (int(v) for v in args.m.split(",")):
             rng = np.random.default_rng(7 * m + len(model.name))
             sets = [(cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)),
@@ -113,7 +112,7 @@ def main(argv=None) -> int:
                     y = pkg.fused_moe(x, weights["gate_up"][v], weights["down"][v], tw, ids)
                     row[f"{v}_checksum"] = digest(cp, y)
                 results.append(report(row))
-        del weights
+        del weights, drawn
         cp.get_default_memory_pool().free_all_blocks()
     same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
     ratios = np.array([r["this_us"] / r["other_us"] for r in results if "this_us" in r])

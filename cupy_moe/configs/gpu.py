@@ -49,7 +49,8 @@ def gpu_info(device_id: int | None = None) -> GpuInfo:
     from .._xp import require_gpu
     cp = require_gpu("reading the GPU's properties")
     info = _device_facts(cp.cuda.Device().id if device_id is None else int(device_id))
-    return replace(info, arch=build_arch(info.arch))
+    arch = build_arch(info.arch)
+    return info if arch == info.arch else replace(info, arch=arch)  # a new object only for the portable build
 
 
 @functools.lru_cache(maxsize=None)
