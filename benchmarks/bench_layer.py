@@ -8,7 +8,8 @@ model shapes from `cupy_moe.models`. Floor: the sum of the two GEMM phases' roof
 traffic floor (the touched experts' packed weights, its activations read and its output written, over the copy
 bandwidth) and its FLOP floor (2 * pairs * K * N over the fp16 matmul rate), both rates measured in the same run
 (`cupy_moe.timing`). Time: one CUDA graph holds one call per routing set, the sets route to different experts so that
-L2 does not hold the weights between calls; the median replay over the number of calls (`cupy_moe.timing.graph_time`).
+L2 does not hold the weights between calls, each call on the plan made for the row (`plan_moe`: no choice and no
+allocation of scratch in a call); the median replay over the number of calls (`cupy_moe.timing.graph_time`).
 Target (`cupy_moe.timing.layer_target`): floor / 0.70 + 3 us. --targets roofline: exit status 1 on a miss.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import cupy as cp
 import numpy as np
 
 from cupy_moe import configs
-from cupy_moe.layer import fused_moe
+from cupy_moe.layer import fused_moe, plan_moe
 from cupy_moe.models import get_model
 from cupy_moe.weights import StackedGptqWeight
 from cupy_moe.timing import copy_bandwidth, graph_time, layer_target, matmul_rate
@@ -43,7 +44,8 @@ def bench(model, m, copy_bw, mm_rate, rotations=8, reps=30):
         weights = rng.dirichlet(np.ones(a), size=m).astype(np.float32)
         sets.append((cp.asarray(weights), cp.asarray(ids)))
     touched = float(np.mean([len(np.unique(cp.asnumpy(ids))) for _, ids in sets]))
-    t = graph_time([lambda w=w, i=i: fused_moe(x, w13, w2, w, i) for w, i in sets], reps=reps, warmup=3)
+    plan = plan_moe(m, w13, w2, a)
+    t = graph_time([lambda w=w, i=i: fused_moe(x, w13, w2, w, i, plan=plan) for w, i in sets], reps=reps, warmup=3)
     p = m * a
     floor_bytes = floor = 0.0
     for w, rows in ((w13, m), (w2, p)):  # each phase: weights, activations read, outputs written; its roofline

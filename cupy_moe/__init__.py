@@ -8,7 +8,7 @@ from . import reference
 from .align import moe_align_block_size
 from .checkpoint import inspect_checkpoint
 from .gemm import SplitKWorkspace, fused_moe_gemm
-from .layer import MoELayer, fused_moe, load_moe_layer, load_moe_model, select_experts
+from .layer import MoELayer, MoEPlan, fused_moe, load_moe_layer, load_moe_model, plan_moe, select_experts
 from .weights import StackedGptqWeight
 from ._xp import gpu_available
 
@@ -20,6 +20,8 @@ __all__ = [
     "fused_moe_gemm",
     "SplitKWorkspace",
     "fused_moe",
+    "plan_moe",
+    "MoEPlan",
     "select_experts",
     "MoELayer",
     "load_moe_layer",

@@ -38,14 +38,26 @@ def _check_dev_array(cp, name, x, dtype, ndim, letters):
     return x
 
 
+def _stream_key(cp, stream=None):
+    return cp.cuda.Device().id, (stream or cp.cuda.get_current_stream()).ptr
+
+
 def _workspace(cp, floats, ints):
-    key = (cp.cuda.Device().id, cp.cuda.get_current_stream().ptr)
+    key = _stream_key(cp)
     ws = _WORKSPACES.get(key)
     if ws is None or ws[0].size < floats or ws[1].size < ints:
         old = (0, 0) if ws is None else (ws[0].size, ws[1].size)
         ws = [cp.empty(max(floats, old[0]), cp.float32), cp.zeros(max(ints, old[1]), cp.int32)]
         _WORKSPACES[key] = ws
     return ws
+
+
+def take_stream_workspace(stream):
+    """Remove the cached workspace of `stream` on the current device from the cache and return it (None if the
+    stream has none): a CUDA graph captured on the stream holds it, so that its memory lives as long as the graph
+    and no later call can grow (free) it under the graph."""
+    cp = require_gpu("take_stream_workspace")
+    return _WORKSPACES.pop(_stream_key(cp, stream), None)
 
 
 def _geometry(config, k, n):

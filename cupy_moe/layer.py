@@ -18,15 +18,17 @@ Nothing on the GPU path reads device memory on the host, so a forward can be cap
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 
 from . import _compile, configs, reference
 from ._xp import ACTIVATION_DTYPES, check_input, cupy, is_device_array, require_gpu
 from .align import moe_align_block_size
-from .gemm import fused_moe_gemm
+from .gemm import SplitKWorkspace, fused_moe_gemm, take_stream_workspace
 from .weights import StackedGptqWeight
 
-__all__ = ["select_experts", "fused_moe", "MoELayer", "CapturedForward", "capture", "load_moe_layer", "load_moe_model"]
+__all__ = ["select_experts", "fused_moe", "plan_moe", "MoEPlan", "MoELayer", "CapturedForward", "capture", "load_moe_layer", "load_moe_model"]
 
 _FILE = "moe_layer.cu"
 _THREADS = 256
@@ -105,10 +107,22 @@ def _linear_f32(x, w):
     return out
 
 
-def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
+def _check_weights(w13, w2):
     for name, w in (("w13", w13), ("w2", w2)):
         if not isinstance(w, StackedGptqWeight):
             raise TypeError(f"{name}: expected a StackedGptqWeight, got {type(w).__name__}")
+    if w13.n != 2 * w2.k:
+        raise ValueError(f"w13: expected N = 2I = {2 * w2.k} (twice w2's K), got N={w13.n}")
+    if w2.n != w13.k:
+        raise ValueError(f"w2: expected N = H = {w13.k}, got N={w2.n}")
+    if w2.num_experts != w13.num_experts:
+        raise ValueError(f"w2: expected E = {w13.num_experts} experts (as w13), got E={w2.num_experts}")
+    if w13.is_device != w2.is_device:
+        raise TypeError(f"w2: expected {'CuPy' if w13.is_device else 'NumPy'} arrays, as w13")
+
+
+def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
+    _check_weights(w13, w2)
     check_input("hidden_states", hidden_states, ACTIVATION_DTYPES, "[M, H]")
     check_input("topk_ids", topk_ids, ("int32", "int64"), "[M, A]")
     check_input("topk_weights", topk_weights, ("float32",), "[M, A]")
@@ -120,17 +134,78 @@ def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
     m, h = hidden_states.shape
     if w13.k != h:
         raise ValueError(f"w13: expected K = H = {h} (hidden_states' columns), got K={w13.k}")
-    if w13.n != 2 * w2.k:
-        raise ValueError(f"w13: expected N = 2I = {2 * w2.k} (twice w2's K), got N={w13.n}")
-    if w2.n != h:
-        raise ValueError(f"w2: expected N = H = {h}, got N={w2.n}")
-    if w2.num_experts != w13.num_experts:
-        raise ValueError(f"w2: expected E = {w13.num_experts} experts (as w13), got E={w2.num_experts}")
     _check_matrix("topk_ids", topk_ids, "[M, A]", rows=m)
     _check_matrix("topk_weights", topk_weights, "[M, A]", rows=m, cols=topk_ids.shape[1])
 
 
-def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
+def _problem(m, a, w13, w2):
+    """What a layer plan depends on: M, A, H, I, E and each weight's bits, group size and act-order."""
+    return (m, a, w13.k, w2.k, w13.num_experts,
+            w13.bits, w13.group_size, w13.g_idx is not None, w2.bits, w2.group_size, w2.g_idx is not None)
+
+
+@dataclass(frozen=True)
+class MoEPlan:
+    """What `fused_moe` launches for one problem (M tokens, top-k A, one pair of weights): the configuration of
+    each GEMM phase, whether the down phase reads pair-ordered activations, and the split-K workspace of both phases
+    (None for host weights), allocated when the plan is made. Made by `plan_moe`; with it, a `fused_moe` call
+    chooses nothing and allocates only its output and intermediates."""
+    problem: tuple  # _problem(...): (M, A, H, I, E, w13 bits, G, act-order, w2 bits, G, act-order)
+    up: configs.GemmConfig
+    down: configs.GemmConfig
+    pair_order: bool
+    workspace: SplitKWorkspace | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def one_pair(self) -> bool:
+        """One token: each pair gets a 16-row block of its own, so no align launch (its experts are distinct, so the
+        aligned list would hold one pair per block anyway; repeated ids work too)."""
+        return self.problem[0] == 1
+
+
+def _choose(m, a, w13, w2, gpu, allocate):
+    """The one place where fused_moe's configurations are chosen (`plan_moe`, and fused_moe without a plan)."""
+    e, h, i = w13.num_experts, w13.k, w2.k
+    block_m = 16 if m == 1 else None
+    up = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, block_m=block_m,
+                               act_order=w13.g_idx is not None, gpu=gpu)
+    down = configs.choose_config(m * a, e, 1, i, h, w2.bits, w2.group_size, block_m=block_m,
+                                 act_order=w2.g_idx is not None, gpu=gpu)
+    # act in the 4-bit dequantizer's pair order on 16-row blocks (gemm.py); their shapes all read it
+    pair = configs.down_pair_order(w2.bits, down.block_m)
+    workspace = None
+    if allocate and w13.is_device:
+        workspace = SplitKWorkspace.for_launches([SplitKWorkspace.size(up, h, 2 * i, m * a, e, one_pair=m == 1),
+                                                  SplitKWorkspace.size(down, i, h, m * a, e, one_pair=m == 1)])
+    return MoEPlan(_problem(m, a, w13, w2), up, down, pair, workspace)
+
+
+def plan_moe(num_tokens, w13, w2, top_k, *, gpu=None) -> MoEPlan:
+    """The plan of `fused_moe` for num_tokens tokens of top_k experts each on these weights: both phases'
+    configurations and, for device weights, their split-K workspace on the current device, allocated here.
+    Pass it as `fused_moe(..., plan=)` to calls of that shape (one stream at a time). gpu: the target
+    (`configs.GpuInfo`); None = the current device."""
+    _check_weights(w13, w2)
+    for name, value, high in (("num_tokens", num_tokens, None), ("top_k", top_k, w13.num_experts)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < 1 or (high is not None and value > high):
+            raise ValueError(f"{name}: expected an int in [1, {high or 'inf'}], got {value}")
+    if gpu is None:
+        gpu = configs.gpu_info()
+    return _choose(int(num_tokens), int(top_k), w13, w2, gpu, allocate=True)
+
+
+def _check_plan(plan, m, a, w13, w2):
+    if not isinstance(plan, MoEPlan):
+        raise TypeError(f"plan: expected a MoEPlan (plan_moe(...)) or None, got {type(plan).__name__}")
+    want = _problem(m, a, w13, w2)
+    if plan.problem != want:
+        raise ValueError(f"plan: expected a plan of (M, A, H, I, E, w13 bits, G, act-order, w2 bits, G, act-order) = "
+                         f"{want} (plan_moe for these inputs), got one of {plan.problem}")
+
+
+def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=None):
     """The routed experts of one MoE layer: sum over a token's A experts of weight * down(SiLU(gate) * up).
 
     hidden_states: float16 or bfloat16 [M, H]. w13: StackedGptqWeight [E, H*bits/32, 2I] (gate columns, then
@@ -141,8 +216,12 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
     NumPy inputs run the reference. On the GPU the intermediates come from CuPy's memory pool; to replay the
     call in a CUDA graph, capture it with `cupy_moe.layer.capture(fused_moe, ...)` (or `MoELayer.capture`),
     which gives the graph a private pool.
+    plan: `plan_moe(M, w13, w2, A)`, made once for calls of this shape: the call then chooses no configuration
+    and uses the plan's split-K workspace. None: chosen here, with a split-K workspace cached per stream.
     """
     _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids)
+    if plan is not None:
+        _check_plan(plan, hidden_states.shape[0], topk_ids.shape[1], w13, w2)
     if not is_device_array(hidden_states):
         result = reference.fused_moe(hidden_states, w13, w2, topk_weights, topk_ids)
         if out is not None:
@@ -162,31 +241,23 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None):
                          f"got {type(out).__name__} {getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
     if m == 0:
         return out
-    # One configuration per phase, chosen here and passed down: what it says is what launches.
-    gpu = configs.gpu_info()
-    one_pair = m == 1 and topk_ids.dtype == np.int32
-    # one token: its experts are distinct, so the aligned list would hold one pair per 16-row block anyway. The
-    # GEMMs take topk_ids as they are (one pair per block; repeated ids work too) and the align launch is saved.
-    block_m = 16 if one_pair else None
-    up_plan = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, block_m=block_m,
-                                    act_order=w13.g_idx is not None, gpu=gpu)
-    down_plan = configs.choose_config(p, e, 1, i, h, w2.bits, w2.group_size, block_m=block_m,
-                                      act_order=w2.g_idx is not None, gpu=gpu)
-    # act in the 4-bit dequantizer's pair order on 16-row blocks (gemm.py); their shapes all read it
-    pair = configs.down_pair_order(w2.bits, down_plan.block_m)
-    if one_pair:
-        aligned = None, cp.ascontiguousarray(topk_ids), None
+    # One configuration per phase, chosen once and passed down: what the plan says is what launches.
+    if plan is None:
+        plan = _choose(m, a, w13, w2, configs.gpu_info(), allocate=False)
+    if plan.one_pair:  # the GEMMs take topk_ids as the pairs' expert ids
+        aligned = None, cp.ascontiguousarray(topk_ids, dtype=cp.int32), None
     else:
-        aligned = moe_align_block_size(topk_ids, up_plan.block_m, e)
+        aligned = moe_align_block_size(topk_ids, plan.up.block_m, e)
     # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
-    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cp.empty((p, 2 * i), dtype), config=up_plan)
-    if down_plan.block_m != up_plan.block_m:  # another block size: a second align launch (pair ids are shared)
-        aligned = moe_align_block_size(topk_ids, down_plan.block_m, e)
+    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cp.empty((p, 2 * i), dtype), config=plan.up,
+                        workspace=plan.workspace)
+    if plan.down.block_m != plan.up.block_m:  # another block size: a second align launch (pair ids are shared)
+        aligned = moe_align_block_size(topk_ids, plan.down.block_m, e)
     act = cp.empty((p, i), dtype)
     _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i), (_THREADS,),
-                    (x1, act, np.int64(p), np.int32(i), np.int32(pair)))
+                    (x1, act, np.int64(p), np.int32(i), np.int32(plan.pair_order)))
     x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
-                        a_pair_order=pair, config=down_plan)
+                        a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
     _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}>"), _grid(m * h), (_THREADS,),
                     (x2, out, np.int64(m), np.int32(a), np.int32(h)))
     return out
@@ -367,8 +438,9 @@ def capture(fn, *args):
     """Capture `fn(*args)` (GPU work only, no host reads) into a CUDA graph.
 
     Runs fn once eagerly (compiling kernels, sizing cached workspaces), then captures a second call on a private
-    stream with a private memory pool, which the returned `CapturedForward` holds so that the graph's
-    intermediates stay valid. Write new values into the same input arrays, then `replay()`; read `.out`.
+    stream with a private memory pool. The returned `CapturedForward` holds the pool and the split-K workspace
+    cached for that stream, so that the graph's intermediates and scratch live as long as it does. Write new
+    values into the same input arrays, then `replay()`; read `.out`.
     """
     cp = require_gpu("capturing a CUDA graph")
     stream = cp.cuda.Stream(non_blocking=True)
@@ -382,14 +454,14 @@ def capture(fn, *args):
                 out = fn(*args)
             finally:
                 graph = stream.end_capture()
-    return CapturedForward(graph, stream, pool, args, out)
+    return CapturedForward(graph, stream, (pool, take_stream_workspace(stream)), args, out)
 
 
 class CapturedForward:
     """A captured call: `replay()` reruns it on the current contents of its input arrays (`.args`)."""
 
-    def __init__(self, graph, stream, pool, args, out):
-        self.graph, self.stream, self._pool = graph, stream, pool
+    def __init__(self, graph, stream, memory, args, out):
+        self.graph, self.stream, self._memory = graph, stream, memory  # memory: what the graph's pointers hold
         self.args, self.out = args, out
 
     def replay(self):

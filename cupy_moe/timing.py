@@ -39,6 +39,7 @@ def graph_time(calls: Sequence[Callable[[], object]], reps: int = 10, warmup: in
     cp = require_gpu("timing")
     if not calls:
         raise ValueError("calls: expected at least one call, got none")
+    own = stream is None
     stream = stream or cp.cuda.Stream(non_blocking=True)
     with stream:
         for call in calls:
@@ -50,7 +51,11 @@ def graph_time(calls: Sequence[Callable[[], object]], reps: int = 10, warmup: in
                 call()
         finally:
             graph = stream.end_capture()
-    return event_time(lambda i: graph.launch(stream), reps, warmup, stream) / len(calls)
+    seconds = event_time(lambda i: graph.launch(stream), reps, warmup, stream) / len(calls)
+    if own:  # the stream ends with this call: so does the split-K workspace the GEMMs cached for it
+        from .gemm import take_stream_workspace
+        take_stream_workspace(stream)
+    return seconds
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

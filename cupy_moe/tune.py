@@ -54,7 +54,6 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
     gpu = configs.gpu_info()
     rng = np.random.default_rng(0)
     found = {}
-    stream = cp.cuda.Stream(non_blocking=True)
     for shape in shapes:
         e, a = shape.num_experts, shape.top_k
         for phase, (k, n, top_k) in shape.phases().items():
@@ -87,7 +86,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                     calls = [lambda al=al, cfg=cfg, pair=pair: fused_moe_gemm(x, weight, *al, top_k, out=out,
                                                                               a_pair_order=pair, config=cfg)
                              for al in aligned]
-                    timings[cfg] = graph_time(calls, reps=reps, stream=stream)
+                    timings[cfg] = graph_time(calls, reps=reps)
                 best_cfg, best = min(timings.items(), key=lambda kv: kv[1])
                 block_m, split, _ = runs[best_cfg]
                 base = timings.get(heuristic, float("nan"))

@@ -81,8 +81,8 @@ def test_fused_moe_gpu_matches_reference(tmp_path, dtype, m):
 
 
 def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
-    """M = 1 with int32 ids: the GEMMs take one pair per block and no align runs; bitwise the aligned path (int64
-    ids still align), for distinct and for repeated ids."""
+    """M = 1: the GEMMs take one pair per block and no align runs, with int32 and with int64 ids; bitwise the
+    aligned path of the same plan, for distinct and for repeated ids."""
     import cupy_moe.layer as layer_mod
     write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
                      group_size=64, return_weights=False)
@@ -91,13 +91,48 @@ def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
     x = cp.asarray(np.random.default_rng(3).standard_normal((1, H)).astype(np.float16))
     weights = cp.asarray(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32))
     for ids in ([[6, 1, 3, 0]], [[2, 2, 5, 2]]):
-        aligned = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, np.int64)))
-        calls = []
-        monkeypatch.setattr(layer_mod, "moe_align_block_size", lambda *args: calls.append(args))
-        direct = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, np.int32)))
+        monkeypatch.setattr(layer_mod.MoEPlan, "one_pair", property(lambda plan: False))
+        aligned = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, np.int32)))
         monkeypatch.undo()
-        assert calls == []
-        cp.testing.assert_array_equal(direct, aligned)
+        for dtype in (np.int32, np.int64):
+            calls = []
+            monkeypatch.setattr(layer_mod, "moe_align_block_size", lambda *args: calls.append(args))
+            direct = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, dtype)))
+            monkeypatch.undo()
+            assert calls == []
+            cp.testing.assert_array_equal(direct, aligned)
+
+
+def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypatch):
+    """A plan made once: calls with it choose no configuration, use the plan's split-K workspace (the per-stream
+    cache stays empty) and give bitwise the result of calls without one."""
+    import cupy_moe.gemm as gemm_mod
+    from cupy_moe import configs
+    h, inter, e, a = 2048, 768, 16, 4  # long K: the small-M phases split K
+    w13 = cupy_moe.StackedGptqWeight.random(e, h, 2 * inter, seed=1)
+    w2 = cupy_moe.StackedGptqWeight.random(e, inter, h, seed=2)
+    rng = np.random.default_rng(5)
+    split = 0
+    for m in (1, 3, 40, 300):
+        x = cp.asarray(rng.standard_normal((m, h)).astype(np.float16))
+        weights, ids = (cp.asarray(v) for v in reference.select_experts(
+            rng.standard_normal((m, e)).astype(np.float32), a, True))
+        plain = fused_moe(x, w13, w2, weights, ids)
+        plan = cupy_moe.plan_moe(m, w13, w2, a)
+        split += plan.workspace.partials.size > 0
+        assert plan.up == configs.choose_config(m, e, a, h, 2 * inter, 4, 128, 16 if m == 1 else None)
+        stream = cp.cuda.Stream(non_blocking=True)
+
+        def no_choice(*args, **kw):
+            raise AssertionError("a configuration was chosen")
+        monkeypatch.setattr(configs, "choose_config", no_choice)
+        with stream:
+            got = fused_moe(x, w13, w2, weights, ids, plan=plan)
+            stream.synchronize()
+        monkeypatch.undo()
+        assert (cp.cuda.Device().id, stream.ptr) not in gemm_mod._WORKSPACES
+        cp.testing.assert_array_equal(got, plain)
+    assert split  # at least one problem ran split-K on the plan's workspace
 
 
 def test_fused_moe_chooses_once_per_phase_and_passes_the_choice_down(tmp_path, monkeypatch):
@@ -189,6 +224,8 @@ def test_graph_replay_is_bitwise_the_eager_result(tmp_path, family):
     layer = cupy_moe.load_moe_layer(tmp_path, 0)
     x = cp.asarray(np.random.default_rng(0).standard_normal((12, H)).astype(np.float16))
     captured = layer.capture(x)
+    # the graph holds its stream's split-K workspace: no later call can grow (free) it under the graph
+    assert (cp.cuda.Device().id, captured.stream.ptr) not in cupy_moe.gemm._WORKSPACES
     for seed in (1, 2):
         x[...] = cp.asarray(np.random.default_rng(seed).standard_normal((12, H)).astype(np.float16))
         cp.cuda.Device().synchronize()  # the graph's stream does not wait for the default stream

@@ -4,7 +4,8 @@ import pytest
 
 import cupy_moe
 from cupy_moe import reference
-from cupy_moe.layer import MoELayer, fused_moe, select_experts
+from cupy_moe import configs
+from cupy_moe.layer import MoELayer, MoEPlan, fused_moe, plan_moe, select_experts
 from cupy_moe.testing import dense_layer_output, write_checkpoint
 from cupy_moe.weights import StackedGptqWeight
 
@@ -114,6 +115,57 @@ def test_fused_moe_numpy_is_the_reference(tmp_path):
     out = np.full((5, H), np.nan, np.float16)
     assert fused_moe(x, w.w13, w.w2, weights, ids, out=out) is out
     np.testing.assert_array_equal(out, want)
+
+
+H200 = configs.GpuInfo("Test H200", "sm_90a", 132)
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])
+def test_plan_moe_holds_the_configurations_fused_moe_launches(tmp_path, m):
+    """Both phases' configurations as choose_config gives them (16-row blocks, one pair per block at M = 1); no
+    workspace for host weights; the NumPy path takes the plan and gives the reference bitwise."""
+    w = _stacked(tmp_path)
+    plan = plan_moe(m, w.w13, w.w2, 2, gpu=H200)
+    block_m = 16 if m == 1 else None
+    up = configs.choose_config(m, E, 2, H, 2 * I, w.w13.bits, w.w13.group_size, block_m, gpu=H200)
+    down = configs.choose_config(2 * m, E, 1, I, H, w.w2.bits, w.w2.group_size, block_m, gpu=H200)
+    assert (plan.up, plan.down) == (up, down)
+    assert plan.pair_order == configs.down_pair_order(w.w2.bits, down.block_m)
+    assert plan.one_pair == (m == 1) and plan.workspace is None
+    with pytest.raises(AttributeError):
+        plan.up = down
+    x = hidden(m)
+    weights, ids = reference.select_experts(np.random.default_rng(m).standard_normal((m, E)).astype(np.float32), 2,
+                                           True)
+    np.testing.assert_array_equal(fused_moe(x, w.w13, w.w2, weights, ids, plan=plan),
+                                  reference.fused_moe(x, w.w13, w.w2, weights, ids))
+
+
+def test_fused_moe_refuses_a_plan_of_another_problem(tmp_path):
+    w = _stacked(tmp_path)
+    x = hidden(4)
+    weights, ids = np.full((4, 2), 0.5, np.float32), np.zeros((4, 2), np.int32)
+    want = r"\(4, 2, 128, 192, 8, 4, 32, False, 4, 32, False\)"
+    for plan in (plan_moe(3, w.w13, w.w2, 2, gpu=H200), plan_moe(4, w.w13, w.w2, 1, gpu=H200)):
+        with pytest.raises(ValueError, match=r"plan: expected a plan of \(M, A, H, I, E, .*\) = " + want):
+            fused_moe(x, w.w13, w.w2, weights, ids, plan=plan)
+    with pytest.raises(TypeError, match=r"plan: expected a MoEPlan \(plan_moe\(...\)\) or None, got str"):
+        fused_moe(x, w.w13, w.w2, weights, ids, plan="auto")
+    assert isinstance(plan_moe(4, w.w13, w.w2, 2, gpu=H200), MoEPlan)
+
+
+def test_plan_moe_rejects_bad_arguments(tmp_path):
+    w = _stacked(tmp_path)
+    with pytest.raises(ValueError, match=r"num_tokens: expected an int in \[1, inf\], got 0"):
+        plan_moe(0, w.w13, w.w2, 2, gpu=H200)
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, 8\], got 9"):
+        plan_moe(4, w.w13, w.w2, 9, gpu=H200)
+    with pytest.raises(TypeError, match="num_tokens: expected an int, got bool"):
+        plan_moe(True, w.w13, w.w2, 2, gpu=H200)
+    with pytest.raises(ValueError, match=r"w13: expected N = 2I = 384 \(twice w2's K\), got N=128"):
+        plan_moe(4, w.w2, w.w2, 2, gpu=H200)
+    with pytest.raises(TypeError, match="w2: expected a StackedGptqWeight, got ndarray"):
+        plan_moe(4, w.w13, np.zeros(3), 2, gpu=H200)
 
 
 def test_fused_moe_rejects_bad_arguments(tmp_path):
