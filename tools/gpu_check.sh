@@ -4,9 +4,11 @@
 #   bench.txt + bench.json + performance.png (one GEMM phase against the roofline, as in docs/performance.md),
 #   layer.txt (a whole layer in a CUDA graph), demo.txt, tune.txt + tuned/ (python -m cupy_moe tune and the table it
 #   writes), examples.txt, compare.txt + compare.json (with OTHER=<another checkout>: tools/compare_versions.py);
-#   when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py).
+#   when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py), ncu.txt +
+#   ncu_<row>.csv.gz (Nsight Compute on the first GEMM launch of each row of $NCU_ROWS, model:phase:M comma-separated:
+#   the details page, and per-instruction stall samples of the SASS).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
-# STAGES picks stages (default all but reads); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py, TUNE_ARGS to
+# STAGES picks stages (default all but reads and ncu); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py, TUNE_ARGS to
 # python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
 # TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
 # tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
@@ -26,6 +28,16 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
 }
 
 stage reads "${READS_TIMEOUT:-180}" "$OUT/reads.txt" bash -c 'python3 tools/read_patterns.py && python3 tools/read_floor.py --m 1,16'
+stage ncu "${NCU_TIMEOUT:-400}" "$OUT/ncu.txt" bash -c '
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -n 1)
+  for row in ${0//,/ }; do
+    IFS=: read -r model phase m <<< "$row"
+    echo "==================== $model $phase M=$m"
+    "$ncu" --clock-control none --set full --kernel-name regex:moe_gemm --launch-count 1 -f -o /tmp/ncu_row \
+      python3 benchmarks/bench_gemm.py --models "$model" --phases "$phase" --m "$m" --iters 1 --no-baseline &&
+    "$ncu" --import /tmp/ncu_row.ncu-rep --page details &&
+    "$ncu" --import /tmp/ncu_row.ncu-rep --page source --csv --print-source sass | gzip > "$1/ncu_${model}_${phase}_$m.csv.gz"
+  done' "${NCU_ROWS:-Qwen3-30B-A3B:gate_up:1,Mixtral-8x7B:gate_up:64,Mixtral-8x7B:gate_up:256,Mixtral-8x7B:gate_up:4096}" "$OUT"
 stage tests "${TESTS_TIMEOUT:-900}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
 stage memcheck "${MEMCHECK_TIMEOUT:-400}" "$OUT/memcheck.log" \
   compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
