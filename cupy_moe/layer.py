@@ -6,7 +6,7 @@ NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
 
     router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32
     topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only;
-                                       skipped at M = 1 with int32 ids: the GEMMs take one pair per block;
+                                       skipped at M = 1: the GEMMs take one pair per block;
                                        done again for the down phase when it picks another block size)
     hidden [M, H] --fused_moe_gemm(w13, top_k=A)--> x1 [P, 2I]        one launch
     x1 --silu_and_mul--> act [P, I]                                   one launch (4-bit w2, 16-row blocks: pair order)
@@ -28,7 +28,8 @@ from .align import moe_align_block_size
 from .gemm import SplitKWorkspace, fused_moe_gemm, take_stream_workspace
 from .weights import StackedGptqWeight
 
-__all__ = ["select_experts", "fused_moe", "plan_moe", "MoEPlan", "MoELayer", "CapturedForward", "capture", "load_moe_layer", "load_moe_model"]
+__all__ = ["select_experts", "fused_moe", "plan_moe", "MoEPlan", "MoELayer", "CapturedForward", "capture",
+           "load_moe_layer", "load_moe_model"]
 
 _FILE = "moe_layer.cu"
 _THREADS = 256
