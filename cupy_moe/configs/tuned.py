@@ -101,14 +101,15 @@ def load_table(gpu: str, directories=None) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _cached_table(gpu: str, user: Path) -> Mapping:
-    return MappingProxyType(load_table(gpu, (shipped_dir(), user)))
+def _cached_table(gpu: str, *environment) -> Mapping:
+    return MappingProxyType(load_table(gpu))
 
 
 def tuned_table(gpu: str) -> Mapping:
     """The entries `choose_config` uses for `gpu` (shipped, then the user's), read once per process and cache
-    folder; read-only."""
-    return _cached_table(str(gpu), user_dir())
+    folder; read-only. Keyed by the variables user_dir() reads, so that a lookup costs no path arithmetic."""
+    env = os.environ
+    return _cached_table(str(gpu), env.get("CUPY_MOE_CACHE_DIR"), env.get("XDG_CACHE_HOME"), env.get("HOME"))
 
 
 def tuned_entry(gpu: str, e: int, k: int, n: int, bits: int, group_size: int, pairs: int):
