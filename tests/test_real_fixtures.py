@@ -83,12 +83,14 @@ def test_dequantized_weights_reproduce_the_tools_output(folder):
     assert _make_fixtures().check_dequantized(io["x"], broken, gate) > 5e-2
 
 
-@pytest.mark.parametrize("folder", [p for p in FIXTURES if "actorder" in p.name and "gptq" in p.name],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("folder", [p for p in FIXTURES if "actorder" in p.name], ids=lambda p: p.name)
 def test_act_order_fixture_has_a_permuting_g_idx(folder):
+    """GPTQModel's g_idx and llm-compressor's weight_g_idx (actorder "group") put G columns in each group, not in
+    the order of K."""
     info = json.loads((folder / "versions.json").read_text())
     layer, g = int(np.load(folder / "io.npz")["layer"]), info["fixture"]["group_size"]
+    name = "g_idx" if info["fixture"]["tool"] == "gptqmodel" else "weight_g_idx"
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        g_idx = _tensor(folder, f"model.layers.{layer}.mlp.experts.0.{proj}.g_idx")
+        g_idx = _tensor(folder, f"model.layers.{layer}.mlp.experts.0.{proj}.{name}")
         assert not np.array_equal(g_idx, np.arange(len(g_idx)) // g), proj
         assert np.array_equal(np.bincount(g_idx), np.full(len(g_idx) // g, g)), proj  # G columns per group

@@ -55,8 +55,8 @@ class Fixture:
     group_size: int
     sym: bool = True
     desc_act: bool = False  # GPTQModel act-order (with act_group_aware=False: a real permuting g_idx)
-    actorder: str | None = None  # llm-compressor GPTQModifier actorder: "weight" or None (its "static" default);
-    # "group" (the one that saves a weight_g_idx) is removed from llm-compressor 0.14
+    actorder: str | None = None  # llm-compressor GPTQModifier actorder: "weight", None (its "static" default) or
+    # "group", the one that saves a weight_g_idx: only llm-compressor 0.13 and older make it (0.14 removed it)
     intermediate: int = 64  # expert intermediate size I
     shard_kb: int | None = None  # save with this max shard size (KB): several safetensors files + index
     layer: int = 1  # the decoder layer whose MoE block io.npz covers
@@ -79,7 +79,19 @@ FIXTURES = [
             extra={"topk_method": "greedy", "n_group": None, "topk_group": None, "routed_scaling_factor": 1.0}),
     Fixture("qwen3_moe_ct_w4a16_g128_sym", "llmcompressor", "qwen3_moe", 4, 128, intermediate=128),
     Fixture("mixtral_ct_w4a16_g64_asym", "llmcompressor", "mixtral", 4, 64, sym=False, actorder="weight"),
+    Fixture("qwen3_moe_ct_w4a16_g32_actorder", "llmcompressor", "qwen3_moe", 4, 32, actorder="group",
+            intermediate=128),
 ]
+
+
+def can_make(fx: Fixture) -> str | None:
+    """Why the tool installed here cannot make `fx`, or None when it can."""
+    if fx.tool == "llmcompressor" and fx.actorder == "group":
+        from importlib.metadata import version
+        installed = version("llmcompressor")
+        if tuple(int(v) for v in installed.split(".")[:2]) >= (0, 14):
+            return f"actorder 'group' needs llm-compressor 0.13 or older (installed: {installed})"
+    return None
 
 
 # --------------------------------------------------------------------------- tiny models
@@ -342,18 +354,19 @@ def decode_pack_quantized(tensors: dict, prefix: str, bits: int) -> np.ndarray:
 
     weight_packed int32 [N, K*bits/32] holds q + 2**(bits-1) packed along K (lowest bits first);
     weight_zero_point int32 [N*bits/32, K/G] (asymmetric only) holds z + 2**(bits-1) packed along N;
-    weight_scale [N, K/G]; weight_shape [N, K]; w = (q - z) * scale.
+    weight_scale [N, K/G]; weight_shape [N, K]; weight_g_idx int32 [K] (actorder "group" only): the group of each
+    column, else column k is in group k // G; w = (q - z) * scale.
     """
     offset = 1 << (bits - 1)
     q = _unpack_int32(tensors[prefix + ".weight_packed"], bits) - offset
     n, k = (int(v) for v in tensors[prefix + ".weight_shape"])
     q = q[:, :k]
     scale = np.asarray(tensors[prefix + ".weight_scale"], np.float32)
-    g = k // scale.shape[1]
+    g_idx = tensors.get(prefix + ".weight_g_idx")
+    group = np.arange(k) // (k // scale.shape[1]) if g_idx is None else np.asarray(g_idx, np.int64)
     zp = tensors.get(prefix + ".weight_zero_point")
-    z = 0 if zp is None else (_unpack_int32(np.ascontiguousarray(zp.T), bits).T[:n] - offset)
-    z = np.repeat(z, g, axis=1) if zp is not None else 0
-    return ((q - z) * np.repeat(scale, g, axis=1)).T
+    z = 0 if zp is None else (_unpack_int32(np.ascontiguousarray(zp.T), bits).T[:n] - offset)[:, group]
+    return ((q - z) * scale[:, group]).T
 
 
 def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
@@ -389,7 +402,8 @@ def make_llmcompressor(fx: Fixture, work: Path, dest: Path):
         for name, mod in block.named_modules():
             qs = getattr(mod, "quantization_scheme", None)
             if isinstance(mod, torch.nn.Linear) and qs is not None and qs.weights is not None:
-                w = fake_quantize(mod.weight, mod.weight_scale, getattr(mod, "weight_zero_point", None), qs.weights)
+                w = fake_quantize(mod.weight, mod.weight_scale, getattr(mod, "weight_zero_point", None), qs.weights,
+                                  g_idx=getattr(mod, "weight_g_idx", None))
                 dequant[name] = w.float().numpy().T
     dequant = _stack(dequant)
     err = _self_check(x, result, dequant, block)
@@ -461,10 +475,16 @@ def main(argv=None):
         if bad:
             p.error(f"--only: unknown fixture(s) {bad}; known: {list(known)}")
         todo = [known[n] for n in args.only]
+        refused = [f"{fx.name}: {can_make(fx)}" for fx in todo if can_make(fx)]
+        if refused:
+            p.error("; ".join(refused))
     else:
         todo = [fx for fx in FIXTURES if importlib.util.find_spec(fx.tool) is not None]
         if not todo:
             p.error("neither gptqmodel nor llmcompressor is importable here")
+        for fx in [fx for fx in todo if can_make(fx)]:
+            print(f"== {fx.name}: skipped, {can_make(fx)}", flush=True)
+            todo.remove(fx)
     for fx in todo:
         dest = args.out / fx.name
         if dest.exists():
