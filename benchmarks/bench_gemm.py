@@ -20,7 +20,8 @@ would fit in L2), so L2 does not flatter small problems. The baseline is timed e
 
 Target sets (--targets NAME; exit status 1 when a row misses one):
 - roofline: `cupy_moe.timing.roofline_target`: M <= 64 within traffic floor / 0.85 (floor + 4 us where the floor
-  is under 10 us); M >= 128 within roofline / 0.70.
+  is under 10 us); M >= 128 within roofline / 0.70; judged at M in `cupy_moe.timing.ROOFLINE_TARGET_M` (the
+  default --m with --targets roofline).
 --checksums: per row the SHA-1 of the output bytes of one call on the first input set (every input is seeded), so
 that two code versions can be shown to give bitwise the same results.
 """
@@ -45,12 +46,15 @@ from cupy_moe._progress import progress_bar
 from cupy_moe.align import moe_align_block_size
 from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import BENCHMARK_MODELS, get_model
-from cupy_moe.timing import copy_bandwidth, event_time as timed, graph_time, matmul_rate, roofline_target
+from cupy_moe.timing import (ROOFLINE_TARGET_M, copy_bandwidth, event_time as timed, graph_time, matmul_rate,
+                             roofline_target)
 from cupy_moe.weights import StackedGptqWeight
 
 G = 128
 BITS = 4
-TARGETS = {"roofline": roofline_target}  # name -> (M, traffic floor s, FLOP floor s) -> target seconds or None
+# name -> ((M, traffic floor s, FLOP floor s) -> target seconds or None, the token counts M it is judged at)
+TARGETS = {"roofline": (roofline_target, ROOFLINE_TARGET_M)}
+DEFAULT_M = (1, 16, 64, 256, 1024, 4096)
 
 _DEQUANT = cp.ElementwiseKernel(
     "raw int32 qweight, raw float16 scales, raw int32 qzeros, int32 K, int32 N, int32 G",
@@ -164,7 +168,7 @@ def baseline_time(r, iters):
 
 def target_us(row, targets):
     """The row's time target in us under the target set `targets`, or None where the set has none for it."""
-    target = TARGETS[targets](row["m"], row["traffic_floor_us"] * 1e-6, row["flop_floor_us"] * 1e-6)
+    target = TARGETS[targets][0](row["m"], row["traffic_floor_us"] * 1e-6, row["flop_floor_us"] * 1e-6)
     return None if target is None else target * 1e6
 
 
@@ -174,7 +178,8 @@ def main(argv=None):
                     help="judge each row against this target set; exit status 1 on a miss")
     ap.add_argument("--checksums", action="store_true", help="print and record the SHA-1 of each row's output bytes")
     ap.add_argument("--models", default=",".join(BENCHMARK_MODELS), help="comma-separated names (any case)")
-    ap.add_argument("--m", default="1,16,64,256,1024,4096")
+    ap.add_argument("--m", default=None, help="token counts, comma-separated (default: "
+                    f"{','.join(map(str, DEFAULT_M))}; with --targets, the M values the target set is judged at)")
     ap.add_argument("--phases", default="gate_up,down")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
@@ -190,6 +195,10 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.dtype == "bfloat16" and not args.no_baseline:
         ap.error("--dtype bfloat16: expected --no-baseline as well (the dequantize + matmul baseline is fp16)")
+    ms = args.m.split(",") if args.m else TARGETS[args.targets][1] if args.targets else DEFAULT_M
+    if not all(str(m).isdigit() and int(m) > 0 for m in ms):
+        ap.error(f"--m: expected positive token counts, comma-separated, got {args.m!r}")
+    ms = [int(m) for m in ms]
     try:
         models = [get_model(name).name for name in args.models.split(",")]
         tiles = [configs.GemmConfig.from_spec(spec) for spec in filter(None, (args.tiles or "").split(";"))]
@@ -213,8 +222,7 @@ def main(argv=None):
     hdr = (f"{'model':18s} {'phase':7s} {'M':>5s} {'B':>3s} {'S':>2s} {'time us':>9s} {'TB/s':>6s} {'TFLOP/s':>8s} "
            f"{'floor':>6s} {'flops':>6s} {'roof':>6s} {'base us':>9s} {'vs base':>7s} {'target':>9s}")
     print(hdr + ("  sha1" if args.checksums else ""))
-    problems = [(model, phase, int(m)) for model in models for phase in args.phases.split(",")
-                for m in args.m.split(",")]
+    problems = [(model, phase, m) for model in models for phase in args.phases.split(",") for m in ms]
     # a bar under the rows while they are measured (on a terminal only); the rows go to stdout through it
     with progress_bar(total=len(problems), unit="row", desc="measuring", leave=False) as bar:
         for model, phase, m in problems:

@@ -11,7 +11,11 @@ import numpy as np
 
 from ._xp import require_gpu
 
-__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "layer_target", "roofline_target"]
+__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "layer_target", "roofline_target",
+           "ROOFLINE_TARGET_M"]
+
+# The token counts M at which the GEMM phases are judged against roofline_target (every model, both phases).
+ROOFLINE_TARGET_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
 
 
 def event_time(fn: Callable[[int], object], reps: int = 20, warmup: int = 3, stream=None) -> float:

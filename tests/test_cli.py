@@ -242,6 +242,12 @@ def test_bench_help_is_the_benchmarks_own():
     assert "--iters" in out and "bench_gemm.py" in out
 
 
+def test_bench_checks_its_token_counts_before_any_gpu_work():
+    pytest.importorskip("cupy")
+    err = run("-m", "cupy_moe", "bench", "--m", "1,x", status=2).stderr
+    assert "bench_gemm.py: error: --m: expected positive token counts, comma-separated, got '1,x'" in err
+
+
 @pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a GPU")
 def test_bench_without_a_gpu_is_one_line():
     pytest.importorskip("cupy")

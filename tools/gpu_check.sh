@@ -42,7 +42,7 @@ stage tests "${TESTS_TIMEOUT:-900}" "$OUT/tests.log" python3 -m pytest -q -p no:
 stage memcheck "${MEMCHECK_TIMEOUT:-400}" "$OUT/memcheck.log" \
   compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
   python3 -m pytest -q -p no:cacheprovider -m gpu ${MEMCHECK_ARGS:-tests/test_gpu_gemm.py tests/test_gpu_align.py tests/test_gpu_layer.py -k "not large and not 2_pow_24"}
-stage bench "${BENCH_TIMEOUT:-400}" "$OUT/bench.txt" \
+stage bench "${BENCH_TIMEOUT:-550}" "$OUT/bench.txt" \
   python3 benchmarks/bench_gemm.py --targets roofline --json "$OUT/bench.json" ${BENCH_ARGS:-}
 [[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
 [[ -n ${OTHER:-} ]] && stage compare "${COMPARE_TIMEOUT:-400}" "$OUT/compare.txt" \
