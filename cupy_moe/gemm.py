@@ -70,6 +70,16 @@ def _geometry(config, k, n):
     return -(-n // config.block_n), split, cps
 
 
+def _scratch(config, k, n, capacity):
+    """(partials, tickets) one launch of `config` on K x N needs for a pair list of `capacity` rows (aligned, or 16 per
+    pair with one pair per block): fp32 partials of every slice and an int32 ticket per (block, column tile); (0, 0)
+    without split-K."""
+    n_tiles, split, _ = _geometry(config, k, n)
+    if split == 1:
+        return 0, 0
+    return split * capacity * n, capacity // config.block_m * n_tiles
+
+
 class SplitKWorkspace:
     """The scratch of split-K launches on one device: fp32 partial tiles and int32 tickets (zero between launches:
     each tile's last CTA resets its ticket). Made once for the launches it serves and passed as
@@ -87,11 +97,9 @@ class SplitKWorkspace:
         """(partials, tickets) that one launch of `config` (a GemmConfig) on K x N needs for P = `pairs` pairs
         aligned by moe_align_block_size over `num_experts` experts, or one pair per block (`one_pair`); (0, 0)
         without split-K."""
-        n_tiles, split, _ = _geometry(config, k, n)
-        if split == 1 or pairs == 0:
+        if pairs == 0:
             return 0, 0
-        capacity = 16 * pairs if one_pair else align_capacity(pairs, config.block_m, num_experts)
-        return split * capacity * n, capacity // config.block_m * n_tiles
+        return _scratch(config, k, n, 16 * pairs if one_pair else align_capacity(pairs, config.block_m, num_experts))
 
     @classmethod
     def for_launches(cls, sizes) -> "SplitKWorkspace":
@@ -266,11 +274,12 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         else:
             _check_config(config, block_m, act_order, pair_a, gpu.hopper)
         n_tiles, split, cps = _geometry(config, k, n)
+        need = _scratch(config, k, n, capacity)
         partials = tickets = None
         if split > 1 and workspace is not None:
             partials, tickets = workspace.partials, workspace.tickets
-            if partials.size < split * capacity * n or tickets.size < blocks.size * n_tiles:
-                _fail("workspace", f"at least {split * capacity * n} partials and {blocks.size * n_tiles} tickets "
+            if partials.size < need[0] or tickets.size < need[1]:
+                _fail("workspace", f"at least {need[0]} partials and {need[1]} tickets "
                       "(SplitKWorkspace.size(config, ...))", f"{partials.size} and {tickets.size}")
             if partials.device.id != cp.cuda.Device().id:
                 _fail("workspace", f"arrays on the current device {cp.cuda.Device().id}",
@@ -281,7 +290,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     if block_m is None or p == 0 or n == 0:
         return out
     if split > 1 and workspace is None:
-        partials, tickets = _workspace(cp, split * capacity * n, blocks.size * n_tiles)
+        partials, tickets = _workspace(cp, *need)
     name = config.name_expression(bf16, bits, act_order, group_len, gpu.hopper, k, pair_a)
     smem = config.smem_bytes(bits, gpu.hopper)
     # ---- launch
