@@ -4,7 +4,8 @@ For each model shape (`cupy_moe.models`), phase and token count M, every support
 the kernel allows are timed on random weights: `cupy_moe.timing.graph_time` over calls on different routings (so
 Python's launch overhead and L2 residency stay out). Each candidate is the configuration `choose_config` makes of a
 (block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the winners go into this GPU's tuned table in the
-user's cache (`configs.tuned`), which `choose_config` reads from then on. Only the speed changes: every
+user's cache (`configs.tuned`), which `choose_config` reads from then on; they are saved after each model phase,
+so a run stopped part of the way keeps what it measured. Only the speed changes: every
 configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed order), though two
 configurations may round differently.
 """
@@ -53,11 +54,12 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
     cp = require_gpu("python -m cupy_moe tune")
     gpu = configs.gpu_info()
     rng = np.random.default_rng(0)
-    found = {}
+    found, path = {}, None
     for shape in shapes:
         e, a = shape.num_experts, shape.top_k
         for phase, (k, n, top_k) in shape.phases().items():
             weight = StackedGptqWeight.random(e, k, n, bits=bits, group_size=group_size, seed=len(found))
+            phase_found = {}
             for m in ms:
                 rows = m if phase == "gate_up" else m * a
                 # several routings per timing, so that L2 does not keep one routing's experts between calls
@@ -90,14 +92,17 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 best_cfg, best = min(timings.items(), key=lambda kv: kv[1])
                 block_m, split, _ = runs[best_cfg]
                 base = timings.get(heuristic, float("nan"))
-                found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
+                phase_found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
                 per_block = {}  # the fastest configuration of each block_m
                 for cfg, t in sorted(timings.items(), key=lambda kv: kv[1]):
                     per_block.setdefault(cfg.block_m, f"{_label(cfg)}: {t * 1e6:.1f}")
                 log(f"{shape.name:18s} {phase:7s} M={m:5d}  best {_label(best_cfg)} (block_m={block_m:3d} "
                     f"split_k={split:2d}) {best * 1e6:9.1f} us; the heuristic's {_label(heuristic)} {base * 1e6:9.1f} "
                     f"us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
+            found.update(phase_found)
+            if save and phase_found:  # after each phase: a run stopped later keeps what it measured
+                path = configs.save_tuned(gpu.name, phase_found)
             cp.get_default_memory_pool().free_all_blocks()
-    if save and found:
-        log(f"saved {len(found)} configurations for {gpu.name} to {configs.save_tuned(gpu.name, found)}")
+    if path is not None:
+        log(f"saved {len(found)} configurations for {gpu.name} to {path}")
     return found

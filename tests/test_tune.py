@@ -1,0 +1,76 @@
+"""The tuner's control flow without a GPU: every candidate timed, the fastest kept, entries saved after each model
+phase (so a run stopped later keeps them), and choose_config following the saved table. The GPU pieces (arrays,
+weights, the align, the GEMM, the timing) are stand-ins here; the tuner itself runs on the GPU in gpu_check.sh."""
+import json
+import types
+
+import numpy as np
+import pytest
+
+from cupy_moe import configs, tune as tune_mod
+
+GPU = configs.GpuInfo("Fake GPU", "sm_90a", 132)
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """Stand-ins for the GPU; `launched` records each candidate's configuration and top_k as the timing runs it."""
+    monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
+    launched = []
+    pool = types.SimpleNamespace(free_all_blocks=lambda: None)
+    cp = types.SimpleNamespace(asarray=np.asarray, empty=np.empty, float16=np.float16,
+                               get_default_memory_pool=lambda: pool)
+    monkeypatch.setattr(tune_mod, "require_gpu", lambda what: cp)
+    monkeypatch.setattr(configs, "gpu_info", lambda: GPU)
+    monkeypatch.setattr(tune_mod, "StackedGptqWeight", types.SimpleNamespace(random=lambda *a, **kw: None))
+    monkeypatch.setattr(tune_mod, "moe_align_block_size", lambda ids, block_m, e: (None, None, None))
+    monkeypatch.setattr(tune_mod, "fused_moe_gemm",
+                        lambda x, w, s, eid, post, top_k, **kw: launched.append((kw["config"], top_k)))
+
+    def graph_time(calls, reps):  # the candidate's time: 64-row blocks split 2 ways win
+        for call in calls:
+            call()
+        cfg, _ = launched[-1]
+        return 1e-6 * (1 if (cfg.block_m, cfg.split_k) == (64, 2) else 10 + cfg.split_k + cfg.block_m / 16)
+    monkeypatch.setattr(tune_mod, "graph_time", graph_time)
+    return types.SimpleNamespace(launched=launched, table=tmp_path / configs.table_file_name(GPU.name))
+
+
+def test_tune_keeps_the_fastest_candidate_and_choose_config_follows_it(fake):
+    found = tune_mod.tune(["tiny"], (1, 64), reps=1, log=lambda line: None)
+    assert len(found) == 4  # two phases x two token counts
+    assert {len({c for c, _ in fake.launched if c.block_m == b}) > 0 for b in configs.SUPPORTED_BLOCK_M} == {True}
+    saved = json.loads(fake.table.read_text())
+    assert saved["gpu"] == GPU.name and saved["entries"] == found
+    for entry in found.values():
+        assert (entry["block_m"], entry["split_k"]) == (64, 2) and entry["time_us"] == 1.0
+    # choose_config now takes the table's block size and split for these problems (and not for others)
+    tiny = tune_mod.get_model("tiny")
+    k, n, top_k = tiny.phases()["gate_up"]
+    heuristic = configs.choose_config(64, tiny.num_experts, top_k, k, n, 4, 128, gpu=GPU, tuned=False)
+    tuned = configs.choose_config(64, tiny.num_experts, top_k, k, n, 4, 128, gpu=GPU)
+    assert (heuristic.block_m, tuned.block_m, tuned.split_k) == (16, 64, 2)
+    assert configs.choose_config(32, tiny.num_experts, top_k, k, n, 4, 128, gpu=GPU) == configs.choose_config(
+        32, tiny.num_experts, top_k, k, n, 4, 128, gpu=GPU, tuned=False)  # M = 32 was not tuned
+
+
+def test_tune_saves_each_phase_as_it_finishes(fake, monkeypatch):
+    """A run that stops in the down phase has saved the gate/up entries already."""
+    record = tune_mod.fused_moe_gemm
+
+    def stop_in_down(*args, **kw):
+        if args[5] == 1:  # top_k 1: the down phase
+            raise KeyboardInterrupt
+        record(*args, **kw)
+    monkeypatch.setattr(tune_mod, "fused_moe_gemm", stop_in_down)
+    with pytest.raises(KeyboardInterrupt):
+        tune_mod.tune(["tiny"], (1, 64), reps=1, log=lambda line: None)
+    saved = json.loads(fake.table.read_text())["entries"]
+    tiny = tune_mod.get_model("tiny")
+    k, n, _ = tiny.phases()["gate_up"]
+    assert sorted(saved) == sorted(configs.tuning_key(tiny.num_experts, k, n, 4, 128, m * tiny.top_k) for m in (1, 64))
+
+
+def test_tune_dry_run_saves_nothing(fake):
+    found = tune_mod.tune(["tiny"], (1,), reps=1, save=False, log=lambda line: None)
+    assert len(found) == 2 and not fake.table.exists()
