@@ -1,5 +1,6 @@
 // The small kernels around the two GEMM phases of one MoE layer:
 //   select_experts  router logits [M, E] -> topk_weights [M, A] fp32, topk_ids [M, A] int32
+//   route_experts   the same for DeepSeek-style routing: sigmoid or softmax scores, a selection bias, group limits
 //   silu_and_mul    gate/up output [P, 2I] -> SiLU(gate) * up [P, I]
 //   moe_sum         down output [M*A, H] (routing weights already applied by the GEMM) -> [M, H]
 // Each mirrors cupy_moe.reference exactly in where it rounds: float32 math, one rounding to T at the end.
@@ -83,6 +84,94 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
   }
   if (lane < A) {
     weights_ma[static_cast<long long>(m) * A + lane] = renormalize ? w_slot / picked : w_slot;
+    ids_ma[static_cast<long long>(m) * A + lane] = id_slot;
+  }
+}
+
+// DeepSeek-style routing, one warp per token, as cupy_moe.layer's NumPy definition (_route_numpy) computes it:
+//   score[e] = softmax(logits)[e] (scoring 0) or sigmoid(logits[e]) (scoring 1); choice[e] = score[e] + bias[e]
+//   (bias null: score[e]); with groups (group_mode 1: a group scores its best choice, 2: the sum of its two best;
+//   n_group <= 32 groups of E / n_group experts) only the topk_group best groups stay, the choices of the others
+//   become 0; the A best choices are picked (ties to the lower index, groups too); weight = score (not choice),
+//   divided by (sum of the A weights + 1e-20) when renormalize, then times scaling.
+// choice lives in shared memory ([WARPS, E] floats, as select_experts).
+__global__ void route_experts(const float* __restrict__ logits_me, float* __restrict__ weights_ma,
+                              int* __restrict__ ids_ma, int M, int E, int A, const float* __restrict__ bias_e,
+                              int scoring, int group_mode, int n_group, int topk_group, int renormalize,
+                              float scaling) {
+  pdl::enter();
+  extern __shared__ float choice[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int m = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (m >= M) return;
+  float* c_e = choice + warp * E;
+  const float* row = logits_me + static_cast<long long>(m) * E;
+
+  float mx = neg_inf(), sum = 0.f;  // softmax: the row's maximum and the sum of exp(logit - max)
+  if (scoring == 0) {
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, row[e]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int e = lane; e < E; e += 32) sum += expf(row[e] - mx);
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  auto score = [&](int e) {
+    const float x = row[e];
+    return scoring == 0 ? expf(x - mx) / sum : 1.0f / (1.0f + expf(-x));
+  };
+  for (int e = lane; e < E; e += 32) c_e[e] = bias_e ? score(e) + bias_e[e] : score(e);
+  __syncwarp();
+
+  if (group_mode != 0) {
+    const int size = E / n_group;
+    float gs = neg_inf();  // lane g < n_group: the score of group g
+    if (lane < n_group) {
+      float v1 = neg_inf(), v2 = neg_inf();  // its best choice, and the best of the others (a tie counts twice)
+      for (int j = 0; j < size; ++j) {
+        const float x = c_e[lane * size + j];
+        if (x > v1) {
+          v2 = v1;
+          v1 = x;
+        } else {
+          v2 = fmaxf(v2, x);
+        }
+      }
+      gs = group_mode == 2 ? v1 + v2 : v1;
+    }
+    unsigned kept = 0u;
+    for (int s = 0; s < topk_group; ++s) {  // a group taken scores -inf from then on, as in the NumPy definition
+      float v = (kept >> lane) & 1u ? neg_inf() : gs;
+      int i = lane;
+      for (int o = 16; o > 0; o >>= 1)
+        argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+      kept |= 1u << i;
+    }
+    for (int e = lane; e < E; e += 32)
+      if (!((kept >> (e / size)) & 1u)) c_e[e] = 0.f;
+    __syncwarp();
+  }
+
+  int id_slot = 0;  // lane s keeps the expert of slot s (A <= 32 is checked by the launcher)
+  for (int s = 0; s < A; ++s) {
+    float v = neg_inf();
+    int i = 0x7fffffff;
+    for (int e = lane; e < E; e += 32) argmax_step(v, i, c_e[e], e);
+    for (int o = 16; o > 0; o >>= 1)
+      argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    if (i >= E) i = 0;  // only a row of NaN choices finds none: keep the expert id (and every access) in range
+    if (lane == s) id_slot = i;
+    __syncwarp();
+    if (lane == (i & 31)) c_e[i] = neg_inf();  // taken: never chosen again
+    __syncwarp();
+  }
+  float w = lane < A ? score(id_slot) : 0.f;
+  if (renormalize) {
+    float picked = w;
+    for (int o = 16; o > 0; o >>= 1) picked += __shfl_xor_sync(0xffffffffu, picked, o);
+    w = w / (picked + 1e-20f);
+  }
+  if (lane < A) {
+    weights_ma[static_cast<long long>(m) * A + lane] = w * scaling;
     ids_ma[static_cast<long long>(m) * A + lane] = id_slot;
   }
 }

@@ -202,6 +202,44 @@ def test_select_experts_gpu(e, a, renormalize, logits_dtype):
     np.testing.assert_allclose(cp.asnumpy(got_w), want_w, rtol=2e-6, atol=1e-7)
 
 
+ROUTINGS = [  # (E, A, scoring, bias, topk_method, n_group, topk_group, renormalize, routed_scaling_factor)
+    (256, 8, "sigmoid", True, "noaux_tc", 8, 4, True, 2.5),
+    (160, 6, "softmax", False, "group_limited_greedy", 8, 3, False, 16.0),
+    (64, 6, "softmax", False, "greedy", 1, 1, False, 1.0),
+    (64, 4, "sigmoid", True, "greedy", None, None, True, 1.0),
+    (1024, 32, "sigmoid", True, "noaux_tc", 32, 8, True, 1.0),
+    (7, 3, "softmax", True, None, None, None, False, 1.0),
+]
+
+
+@pytest.mark.parametrize("e,a,scoring,bias,method,n_group,topk_group,renormalize,scale", ROUTINGS)
+def test_route_experts_gpu_matches_numpy(e, a, scoring, bias, method, n_group, topk_group, renormalize, scale):
+    """One launch gives the experts of the NumPy definition, and their weights to float32 rounding."""
+    from cupy_moe.layer import route_experts
+    rng = np.random.default_rng(e * 10 + a)
+    logits = (rng.standard_normal((97, e)) * 2).astype(np.float32)
+    b = (rng.standard_normal(e) * 0.1).astype(np.float32) if bias else None
+    kw = dict(scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
+              renormalize=renormalize, routed_scaling_factor=scale)
+    want_w, want_ids = route_experts(logits, a, e_score_correction_bias=b, **kw)
+    got_w, got_ids = route_experts(cp.asarray(logits), a, e_score_correction_bias=None if b is None else cp.asarray(b),
+                                   **kw)
+    assert got_w.dtype == np.float32 and got_ids.dtype == np.int32 and got_ids.shape == (97, a)
+    np.testing.assert_array_equal(cp.asnumpy(got_ids), want_ids)
+    np.testing.assert_allclose(cp.asnumpy(got_w), want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_route_experts_gpu_ties_and_nan_rows():
+    """Equal scores go to the lower group and expert; a row of NaN logits still gives expert ids in range."""
+    from cupy_moe.layer import route_experts
+    logits = cp.zeros((3, 16), cp.float32)
+    logits[2] = cp.nan
+    _, ids = route_experts(logits, 4, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2)
+    ids = cp.asnumpy(ids)
+    np.testing.assert_array_equal(ids[:2], np.tile(np.arange(4), (2, 1)))
+    assert ((ids[2] >= 0) & (ids[2] < 16)).all()
+
+
 def test_select_experts_gpu_ties_go_to_the_lower_expert():
     logits = cp.zeros((3, 16), cp.float32)
     _, ids = select_experts(logits, 4, False)
