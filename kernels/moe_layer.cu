@@ -76,6 +76,7 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
     for (int e = lane; e < E; e += 32) argmax_step(v, i, p_e[e], e);
     for (int o = 16; o > 0; o >>= 1)
       argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    if (i >= E) i = 0;  // only a row of NaN probabilities finds none: keep the expert id (and every access) in range
     if (lane == s) { w_slot = v; id_slot = i; }
     picked += v;
     __syncwarp();

@@ -246,6 +246,15 @@ def test_select_experts_gpu_ties_go_to_the_lower_expert():
     np.testing.assert_array_equal(cp.asnumpy(ids), np.tile(np.arange(4), (3, 1)))
 
 
+def test_select_experts_gpu_nan_rows_stay_in_range():
+    logits = cp.asarray(np.random.default_rng(0).standard_normal((4, 40)).astype(np.float32))
+    logits[1, 7] = cp.nan  # one NaN logit makes the whole softmax row NaN
+    _, ids = select_experts(logits, 5, True)
+    ids = cp.asnumpy(ids)
+    assert ((ids >= 0) & (ids < 40)).all()
+    np.testing.assert_array_equal(ids[[0, 2, 3]], reference.select_experts(cp.asnumpy(logits), 5, True)[1][[0, 2, 3]])
+
+
 def test_select_experts_gpu_rejects():
     with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, min\(E, 32\)\] = \[1, 8\], got 9"):
         select_experts(cp.zeros((2, 8), cp.float32), 9)
