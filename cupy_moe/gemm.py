@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile, configs
-from ._xp import ACTIVATION_DTYPES, check_input, is_device_array, require_gpu
+from ._xp import ACTIVATION_DTYPES, check_current_device, check_input, is_device_array, require_gpu
 from .align import align_capacity
 from .weights import StackedGptqWeight
 
@@ -33,8 +33,7 @@ def _check_dev_array(cp, name, x, dtype, ndim, letters):
         _fail(name, f"{ndim}-D {letters}", f"shape {x.shape}")
     if not x.flags.c_contiguous:
         _fail(name, "a C-contiguous array", "a strided view")
-    if x.device.id != cp.cuda.Device().id:
-        _fail(name, f"an array on the current device {cp.cuda.Device().id}", f"device {x.device.id}")
+    check_current_device(name, x)
     return x
 
 
@@ -139,8 +138,7 @@ def _check_device_weight(cp, weight, a, a_pair_order):
         _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
     if not weight.is_device:
         _fail("weight", "a StackedGptqWeight on the device (weight.to_device())", "NumPy arrays", TypeError)
-    if weight.qweight.device.id != cp.cuda.Device().id:
-        _fail("weight", f"arrays on the current device {cp.cuda.Device().id}", f"device {weight.qweight.device.id}")
+    check_current_device("weight", weight.qweight)
     bits, gs, k, n = weight.bits, weight.group_size, weight.k, weight.n
     if bits not in (4, 8):
         _fail("weight.bits", "4 or 8 (the kernel's dequantizers)", bits)
@@ -281,9 +279,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
             if partials.size < need[0] or tickets.size < need[1]:
                 _fail("workspace", f"at least {need[0]} partials and {need[1]} tickets "
                       "(SplitKWorkspace.size(config, ...))", f"{partials.size} and {tickets.size}")
-            if partials.device.id != cp.cuda.Device().id:
-                _fail("workspace", f"arrays on the current device {cp.cuda.Device().id}",
-                      f"device {partials.device.id}")
+            check_current_device("workspace", partials)
     # ---- allocate
     if out is None:
         out = cp.zeros((p, n), a.dtype)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _compile, configs, reference
-from ._xp import ACTIVATION_DTYPES, check_input, cupy, is_device_array, require_gpu
+from ._xp import ACTIVATION_DTYPES, check_current_device, check_input, cupy, is_device_array, require_gpu
 from .align import moe_align_block_size
 from .gemm import SplitKWorkspace, fused_moe_gemm, take_stream_workspace
 from .weights import StackedGptqWeight
@@ -340,6 +340,7 @@ class MoELayer:
             where = "CuPy" if is_device_array(w.router_weight) else "NumPy"
             raise TypeError(f"hidden_states: expected a {where} array (where the layer's weights are), "
                             f"got {type(x).__name__}")
+        check_current_device("the layer's weights", w.router_weight)
         check_input("hidden_states", x, ACTIVATION_DTYPES, "[M, H]")
         _check_matrix("hidden_states", x, "[M, H]", cols=w.hidden_size)
 
