@@ -65,12 +65,21 @@ def to_device(x, what: str = "copying to the device"):
 ACTIVATION_DTYPES = ("float16", "bfloat16")
 
 
+def check_current_device(name: str, x):
+    """ValueError unless CuPy array `x` lives on the current device (NumPy arrays pass)."""
+    if is_device_array(x) and x.device.id != cupy.cuda.Device().id:
+        raise ValueError(f"{name}: expected an array on the current device {cupy.cuda.Device().id}, got one on "
+                         f"device {x.device.id} (make it current with `with cupy.cuda.Device({x.device.id}):`)")
+
+
 def check_input(name: str, x, dtypes: tuple[str, ...], letters: str, ndim: int | tuple[int, ...] = 2):
     """The public functions' rule for one input array, the same on the NumPy and the CuPy path (so a script
     prototyped on NumPy moves to CuPy unchanged): a NumPy or CuPy array (TypeError otherwise, e.g. for a list),
-    of one of `dtypes` (names, TypeError), with `ndim` dimensions (ValueError). Returns x."""
+    of one of `dtypes` (names, TypeError), with `ndim` dimensions (ValueError); a CuPy array on the current device
+    (ValueError: a kernel must never be handed another GPU's pointers). Returns x."""
     if not isinstance(x, numpy.ndarray) and not is_device_array(x):
         raise TypeError(f"{name}: expected a NumPy or CuPy array {letters}, got {type(x).__name__}")
+    check_current_device(name, x)
     if x.dtype.name not in dtypes:
         raise TypeError(f"{name}: expected dtype {' or '.join(dtypes)}, got {x.dtype.name}")
     ndims = (ndim,) if isinstance(ndim, int) else ndim

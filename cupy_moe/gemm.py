@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import _compile, configs
-from ._xp import ACTIVATION_DTYPES, check_input, is_device_array, require_gpu
+from ._xp import ACTIVATION_DTYPES, check_current_device, check_input, is_device_array, require_gpu
 from .align import align_capacity
 from .weights import StackedGptqWeight
 
@@ -33,8 +33,7 @@ def _check_dev_array(cp, name, x, dtype, ndim, letters):
         _fail(name, f"{ndim}-D {letters}", f"shape {x.shape}")
     if not x.flags.c_contiguous:
         _fail(name, "a C-contiguous array", "a strided view")
-    if x.device.id != cp.cuda.Device().id:
-        _fail(name, f"an array on the current device {cp.cuda.Device().id}", f"device {x.device.id}")
+    check_current_device(name, x)
     return x
 
 
@@ -108,14 +107,18 @@ class SplitKWorkspace:
         return cls(max((f for f, _ in sizes), default=0), max((t for _, t in sizes), default=0))
 
 
-def _check_config(config, block_m, act_order, pair_a, hopper):
-    """`config` (a GemmConfig) must be what runs on these inputs: its block size that of the aligned list, and a
-    kernel variant for act-order, pair order and the device (hopper None: not judged, the NumPy path)."""
+def _check_config(config, block_m, act_order, pair_a, hopper, one_pair):
+    """`config` (a GemmConfig) must be what runs on these inputs: its block size that of the aligned list, the
+    decode kernel for one pair per block (the only one that reads no aligned list), and a kernel variant for
+    act-order, pair order and the device (hopper None: not judged, the NumPy path)."""
     if not isinstance(config, configs.GemmConfig):
         _fail("config", "a GemmConfig (configs.choose_config(...)) or None", type(config).__name__, TypeError)
     if config.block_m != block_m:
         _fail("config", f"block_m = {block_m}, the block size of sorted_token_ids and expert_ids (align with "
               "config.block_m)", f"block_m = {config.block_m}")
+    if one_pair and config.kind != "reg":
+        _fail("config", "kind 'reg' with one pair per block (sorted_token_ids None: only the decode kernel runs "
+              "without an aligned list)", f"kind {config.kind!r}")
     runs = configs.fallback(config, act_order=act_order, hopper=True if hopper is None else hopper, pair_a=pair_a)
     if runs != config:
         _fail("config", f"a shape with a kernel variant for act_order={act_order}, a_pair_order={pair_a}"
@@ -139,8 +142,7 @@ def _check_device_weight(cp, weight, a, a_pair_order):
         _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
     if not weight.is_device:
         _fail("weight", "a StackedGptqWeight on the device (weight.to_device())", "NumPy arrays", TypeError)
-    if weight.qweight.device.id != cp.cuda.Device().id:
-        _fail("weight", f"arrays on the current device {cp.cuda.Device().id}", f"device {weight.qweight.device.id}")
+    check_current_device("weight", weight.qweight)
     bits, gs, k, n = weight.bits, weight.group_size, weight.k, weight.n
     if bits not in (4, 8):
         _fail("weight.bits", "4 or 8 (the kernel's dequantizers)", bits)
@@ -200,7 +202,9 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         group_size G -1 or a multiple of 32.
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
         `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 32, 64 or 128;
-        `config.block_m` of `configs.choose_config(...)` says which to use). Never read on the host.
+        `config.block_m` of `configs.choose_config(...)` says which to use). Never read on the host. In each block
+        the pairs come first and the padding (the sentinel P) after them, as the align writes them: the kernels
+        take a block's first padding slot for its end (the reference raises on a pair after padding).
         One pair per block instead: sorted_token_ids and num_tokens_post_padded None, expert_ids the pairs' expert
         ids themselves, int32 [P] or [M, top_k] (topk_ids). Every pair gets a 16-row block of its own, so no align
         launch is needed; the fast path for M = 1, wasteful when many pairs share an expert.
@@ -228,7 +232,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         from . import reference
         block_m = _block_size(sorted_token_ids, expert_ids)
         if config is not None and block_m is not None:
-            _check_config(config, block_m, weight.g_idx is not None, bool(a_pair_order), None)
+            _check_config(config, block_m, weight.g_idx is not None, bool(a_pair_order), None,
+                          sorted_token_ids is None)
         return reference.fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
                                         topk_weights=topk_weights, out=out, a_pair_order=a_pair_order)
     cp = require_gpu("fused_moe_gemm on CuPy arrays")
@@ -258,7 +263,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         if out.shape != (p, n):
             _fail("out", f"shape {(p, n)} = [M*top_k, N]", out.shape)
     for name, x in (("a", a), ("out", out), ("weight.qweight", qweight), ("weight.scales", scales),
-                    ("weight.qzeros", qzeros)):
+                    ("weight.qzeros", qzeros), ("weight.g_idx", g_idx)):
         if x is not None and x.data.ptr % 16:
             _fail(name, "16-byte aligned data (the kernels move 16 bytes per access)", "a misaligned view")
     act_order, pair_a = g_idx is not None, bool(a_pair_order)
@@ -272,7 +277,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
             config = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m, act_order=act_order, pair_a=pair_a,
                                            gpu=gpu)
         else:
-            _check_config(config, block_m, act_order, pair_a, gpu.hopper)
+            _check_config(config, block_m, act_order, pair_a, gpu.hopper, sorted_ids is None)
         n_tiles, split, cps = _geometry(config, k, n)
         need = _scratch(config, k, n, capacity)
         partials = tickets = None
@@ -281,9 +286,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
             if partials.size < need[0] or tickets.size < need[1]:
                 _fail("workspace", f"at least {need[0]} partials and {need[1]} tickets "
                       "(SplitKWorkspace.size(config, ...))", f"{partials.size} and {tickets.size}")
-            if partials.device.id != cp.cuda.Device().id:
-                _fail("workspace", f"arrays on the current device {cp.cuda.Device().id}",
-                      f"device {partials.device.id}")
+            check_current_device("workspace", partials)
     # ---- allocate
     if out is None:
         out = cp.zeros((p, n), a.dtype)

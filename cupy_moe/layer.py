@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import _compile, configs, reference
-from ._xp import ACTIVATION_DTYPES, check_input, cupy, is_device_array, require_gpu
+from ._xp import ACTIVATION_DTYPES, check_current_device, check_input, cupy, is_device_array, require_gpu
 from .align import moe_align_block_size
 from .gemm import SplitKWorkspace, fused_moe_gemm, take_stream_workspace
 from .weights import StackedGptqWeight
@@ -314,7 +314,9 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     """The routed experts of one MoE layer: sum over a token's A experts of weight * down(SiLU(gate) * up).
 
     hidden_states: float16 or bfloat16 [M, H]. w13: StackedGptqWeight [E, H*bits/32, 2I] (gate columns, then
-    up). w2: StackedGptqWeight [E, I*bits/32, H]. topk_weights: float32 [M, A]. topk_ids: int32/int64 [M, A].
+    up). w2: StackedGptqWeight [E, I*bits/32, H]. topk_weights: float32 [M, A]. topk_ids: int32/int64 [M, A] in
+    [0, E): not checked on the GPU (that needs a host synchronization), where a token with an id outside gets an
+    undefined output row; the NumPy path raises.
     out: [M, H] of hidden_states' dtype to write into, or None.
     Returns [M, H] in hidden_states' dtype. Roundings as `cupy_moe.reference.fused_moe`: x1, act, x2 and the
     output are each rounded once to the dtype; everything between is float32.
@@ -444,6 +446,7 @@ class MoELayer:
             where = "CuPy" if is_device_array(w.router_weight) else "NumPy"
             raise TypeError(f"hidden_states: expected a {where} array (where the layer's weights are), "
                             f"got {type(x).__name__}")
+        check_current_device("the layer's weights", w.router_weight)
         check_input("hidden_states", x, ACTIVATION_DTYPES, "[M, H]")
         _check_matrix("hidden_states", x, "[M, H]", cols=w.hidden_size)
 

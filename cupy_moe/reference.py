@@ -448,7 +448,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     out: optional [M*A, N] array of a's dtype to write into.
     Returns [M*A, N] of a's dtype: row p = a[p // A] @ W[expert of p's block] (* weight of p), float64 math,
     rounded once. Only blocks b with b*B < num_tokens_post_padded and expert_ids[b] != -1 are computed; ids >= P
-    (sentinels) are skipped. Rows of pairs never produced stay untouched in `out` (zeros in a new output).
+    (sentinels) are skipped, and must follow the block's pairs (padding ends a block). Rows of pairs never produced stay untouched in `out` (zeros in a new output).
     """
     _check_float_array("a", a, 2, "[M, K]")
     top_k = _check_positive_int("top_k", top_k)
@@ -506,7 +506,11 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         if b * block >= total or expert == -1:
             continue
         pairs = sorted_token_ids[b * block:(b + 1) * block].astype(np.int64)
-        pairs = pairs[(pairs >= 0) & (pairs < p_total)]  # drop sentinels
+        valid = (pairs >= 0) & (pairs < p_total)
+        if not valid[:int(valid.sum())].all():  # the GPU kernels find a block's rows by its first padding slot
+            raise ValueError(f"sorted_token_ids: expected each block's pairs before its padding (as "
+                             f"moe_align_block_size writes them), got block {b}: {pairs.tolist()}")
+        pairs = pairs[valid]  # drop sentinels
         if pairs.size == 0:
             continue
         if expert not in dense:

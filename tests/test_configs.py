@@ -268,6 +268,12 @@ def test_choice_arguments_are_checked():
         configs.GemmConfig(1, 1, 4, 1, 4, 2, kind="fast")
     with pytest.raises(ValueError, match="split_k: expected a positive int, got 0"):
         replace(configs.DECODE, split_k=0)
+    # the tc and swapped kernels run 256 threads: a shape of other warps would leave rows or columns unwritten
+    with pytest.raises(ValueError, match=r"kind 'tc': expected warps_m \* warps_n = 8 and warps_k = 1 \(its kernel "
+                                         r"runs 256 threads\), got warps_m=1, warps_n=4, warps_k=1"):
+        configs.GemmConfig(4, 1, 4, 2, 1, 6, kind="tc")
+    with pytest.raises(ValueError, match="kind 'swapped': expected warps_m \\* warps_n = 8 and warps_k = 1"):
+        configs.GemmConfig(2, 1, 4, 2, 1, 6, kind="swapped", warps_k=2)
 
 
 def test_config_specs_round_trip():
@@ -361,6 +367,10 @@ def test_numpy_path_takes_a_config_and_checks_it():
         fused_moe_gemm(x, w, *other, a, config=plan)
     with pytest.raises(TypeError, match="config: expected a GemmConfig"):
         fused_moe_gemm(x, w, *aligned, a, config=(16, 1))
+    # one pair per block reads no aligned list: only the decode kernel runs that way
+    swapped16 = configs.GemmConfig(mt=1, warps_m=1, warps_n=8, ng=1, ku=1, stages=6, kind="swapped")
+    with pytest.raises(ValueError, match=r"config: expected kind 'reg' with one pair per block .* got kind 'swapped'"):
+        fused_moe_gemm(x[:1], w, None, ids[:1], None, a, config=swapped16)
     # the swapped kernel has no pair-order variant; the tc kernel has no act-order variant
     swapped = choose(m, e, a, k, n, 4, 32, 32, gpu=H200)
     assert swapped.kind == "swapped"

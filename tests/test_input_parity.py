@@ -116,3 +116,24 @@ def test_numpy_path_accepts_what_the_gpu_path_accepts(host_layer):
     x, ids, tw, w13, w2 = _inputs(np, host_layer)
     out = cupy_moe.fused_moe(x, w13, w2, tw, ids.astype(np.int64))
     assert out.dtype == np.float16 and out.shape == (M, H)
+
+
+def test_arrays_on_another_gpu_are_refused_before_any_launch(monkeypatch):
+    """A CuPy array of another device than the current one is a ValueError naming both devices (a kernel handed
+    another GPU's pointer would fault). Stand-ins for CuPy: no GPU is needed."""
+    import types
+
+    from cupy_moe import _xp
+
+    class OtherGpuArray:  # what a cupy.ndarray made under `with cupy.cuda.Device(1):` looks like here
+        device, dtype, ndim, shape = types.SimpleNamespace(id=1), np.dtype(np.int32), 2, (3, 2)
+
+    monkeypatch.setattr(_xp, "cupy", types.SimpleNamespace(
+        ndarray=OtherGpuArray, cuda=types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))))
+    with pytest.raises(ValueError, match=r"topk_ids: expected an array on the current device 0, got one on device 1 "
+                                         r"\(make it current with `with cupy.cuda.Device\(1\):`\)"):
+        cupy_moe.moe_align_block_size(OtherGpuArray(), 16, 4)
+    ids = OtherGpuArray()
+    ids.dtype = np.dtype(np.float32)
+    with pytest.raises(ValueError, match="router_logits: expected an array on the current device 0"):
+        cupy_moe.select_experts(ids, 2)

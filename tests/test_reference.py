@@ -505,6 +505,22 @@ def test_fused_moe_gemm_one_pair_per_block_is_the_aligned_result():
         ref.fused_moe_gemm(a, weight, None, ids.reshape(-1)[:5], None, a_k)
 
 
+def test_fused_moe_gemm_refuses_a_pair_after_padding_in_a_block():
+    """The kernels take a block's first padding slot for its end, so the definition refuses a list that puts a pair
+    after padding (moe_align_block_size never does)."""
+    rng = np.random.default_rng(5)
+    e, k, n, m, a_k = 2, 32, 16, 3, 1
+    weight, _ = make_stacked(rng, k, n, e, 4, group_size=16, sym=True, act_order=False)
+    a = rng.standard_normal((m, k)).astype(np.float16)
+    sentinel = m * a_k
+    ok = np.array([0, 1, sentinel, sentinel, 2, sentinel, sentinel, sentinel], np.int32)
+    ref.fused_moe_gemm(a, weight, ok, np.array([0, 1], np.int32), np.array([8], np.int32), a_k)
+    bad = np.array([0, sentinel, 1, sentinel, 2, sentinel, sentinel, sentinel], np.int32)
+    with pytest.raises(ValueError, match=r"sorted_token_ids: expected each block's pairs before its padding \(as "
+                                         r"moe_align_block_size writes them\), got block 0: \[0, 3, 1, 3\]"):
+        ref.fused_moe_gemm(a, weight, bad, np.array([0, 1], np.int32), np.array([8], np.int32), a_k)
+
+
 def test_pair_order_round_trip_and_gemm():
     x = np.arange(2 * 24).reshape(2, 24)
     np.testing.assert_array_equal(ref.to_pair_order(x)[0, :8], [0, 4, 1, 5, 2, 6, 3, 7])

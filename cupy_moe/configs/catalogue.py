@@ -68,6 +68,9 @@ class GemmConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.kind != "reg" and (self.warps_k != 1 or self.threads != 256):
+            raise ValueError(f"kind {self.kind!r}: expected warps_m * warps_n = 8 and warps_k = 1 (its kernel runs 256 "
+                             f"threads), got warps_m={self.warps_m}, warps_n={self.warps_n}, warps_k={self.warps_k}")
 
     @property
     def spec(self) -> str:
