@@ -38,7 +38,8 @@ _MAX_GRID = 132 * 16  # grid-stride loops: enough CTAs to fill an H100/H200 seve
 _CTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "float"}  # element types of kernels/moe_layer.cu
 # Every instance the launchers below can ask for (the NVRTC compile test builds each one).
 KERNEL_NAMES = (["route_experts"] + [f"select_experts<{t}>" for t in ("float", "f16", "bf16")]
-                + [f"{k}<{t}>" for k in ("silu_and_mul", "moe_sum") for t in ("f16", "bf16")]
+                + [f"silu_and_mul<{t}>" for t in ("f16", "bf16")]
+                + [f"moe_sum<{t}, {i}>" for t in ("f16", "bf16") for i in ("int", "long long")]
                 + [f"router_logits<{x}, {w}>" for x in ("f16", "bf16") for w in ("f16", "float")])
 
 
@@ -315,8 +316,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
 
     hidden_states: float16 or bfloat16 [M, H]. w13: StackedGptqWeight [E, H*bits/32, 2I] (gate columns, then
     up). w2: StackedGptqWeight [E, I*bits/32, H]. topk_weights: float32 [M, A]. topk_ids: int32/int64 [M, A] in
-    [0, E): not checked on the GPU (that needs a host synchronization), where a token with an id outside gets an
-    undefined output row; the NumPy path raises.
+    [0, E): not checked on the GPU (that needs a host synchronization), where a slot with an id outside adds
+    nothing to its token's row; the NumPy path raises.
     out: [M, H] of hidden_states' dtype to write into, or None.
     Returns [M, H] in hidden_states' dtype. Roundings as `cupy_moe.reference.fused_moe`: x1, act, x2 and the
     output are each rounded once to the dtype; everything between is float32.
@@ -365,8 +366,10 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
                     (x1, act, np.int64(p), np.int32(i), np.int32(plan.pair_order)))
     x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
                         a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
-    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}>"), _grid(m * h), (_THREADS,),
-                    (x2, out, np.int64(m), np.int32(a), np.int32(h)))
+    ids = cp.ascontiguousarray(topk_ids)  # the sum skips ids outside [0, E), as the GEMMs did
+    itype = "int" if ids.dtype == np.int32 else "long long"
+    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}, {itype}>"), _grid(m * h), (_THREADS,),
+                    (x2, ids, out, np.int64(m), np.int32(a), np.int32(h), np.int32(e)))
     return out
 
 

@@ -195,9 +195,11 @@ __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi
   }
 }
 
-// out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T.
-template <typename T>
-__global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, long long M, int A, int H) {
+// out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T; a slot whose expert
+// id is outside [0, E) adds nothing (the GEMMs skip such pairs, so their rows of x were never written).
+template <typename T, typename I>
+__global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_ma, T* __restrict__ out_mh,
+                        long long M, int A, int H, int E) {
   pdl::enter();
   const long long total = M * H;
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
@@ -205,7 +207,10 @@ __global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, lon
     const long long m = t / H;
     const int h = static_cast<int>(t - m * H);
     float acc = 0.f;
-    for (int s = 0; s < A; ++s) acc += to_float(x_pah[(m * A + s) * H + h]);
+    for (int s = 0; s < A; ++s) {
+      const I e = ids_ma[m * A + s];
+      if (e >= 0 && e < E) acc += to_float(x_pah[(m * A + s) * H + h]);
+    }
     out_mh[t] = from_float<T>(acc);
   }
 }

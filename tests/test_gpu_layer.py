@@ -103,6 +103,28 @@ def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
             cp.testing.assert_array_equal(direct, aligned)
 
 
+@pytest.mark.parametrize("m,dtype", [(1, np.int32), (1, np.int64), (5, np.int32), (300, np.int64)])
+def test_fused_moe_slots_with_ids_outside_the_experts_add_nothing(tmp_path, m, dtype):
+    """ids outside [0, E) are not checked on the GPU (a host sync): their slots add nothing, as if their weight were
+    zero (the NumPy path, which raises on them, computes that with a valid id and weight 0)."""
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    weights, ids = reference.select_experts(rng.standard_normal((m, E)).astype(np.float32), 4, True)
+    bad = np.zeros_like(ids, bool)
+    bad[:, 1] = True
+    bad[0, 3] = True
+    ids_bad = np.where(bad, np.array([-1, E, 2**31 - 1, -7])[np.arange(m)[:, None] % 4], ids).astype(dtype)
+    if dtype == np.int64:
+        ids_bad[0, 1] = 2**32 + 1  # would wrap to a valid id as int32
+    want = reference.fused_moe(x, host.w13, host.w2, np.where(bad, 0, weights).astype(np.float32), ids)
+    got = fused_moe(cp.asarray(x), w13, w2, cp.asarray(weights), cp.asarray(ids_bad))
+    assert rel_l2(cp.asnumpy(got).astype(np.float32), want.astype(np.float32)) <= REL_L2["float16"]
+
+
 def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypatch):
     """A plan made once: calls with it choose no configuration, use the plan's split-K workspace (the per-stream
     cache stays empty) and give bitwise the result of calls without one."""
