@@ -69,16 +69,17 @@ def select_experts(router_logits, top_k, renormalize=False):
     Returns topk_weights float32 [M, A] and topk_ids int32 [M, A], on the device for CuPy input.
     """
     check_input("router_logits", router_logits, ("float16", "bfloat16", "float32"), "[M, E]")
-    if not is_device_array(router_logits):
-        return reference.select_experts(router_logits, top_k, renormalize)
-    cp = require_gpu("select_experts on CuPy arrays")
-    ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
     _check_matrix("router_logits", router_logits, "[M, E]")
     m, e = router_logits.shape
+    # the kernel's limits, on both paths (a script prototyped on NumPy moves to CuPy unchanged)
     if not 1 <= e <= 1024:
         raise ValueError(f"router_logits: expected 1 <= E <= 1024 experts, got E={e}")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= min(e, 32):
         raise ValueError(f"top_k: expected an int in [1, min(E, 32)] = [1, {min(e, 32)}], got {top_k!r}")
+    if not is_device_array(router_logits):
+        return reference.select_experts(router_logits, top_k, renormalize)
+    cp = require_gpu("select_experts on CuPy arrays")
+    ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
     logits = cp.ascontiguousarray(router_logits)
     weights = cp.empty((m, top_k), cp.float32)
     ids = cp.empty((m, top_k), cp.int32)
