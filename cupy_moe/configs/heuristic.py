@@ -27,11 +27,11 @@ import math
 from dataclasses import replace
 
 from .catalogue import (HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig,
-                        fallback, max_split_k)
+                        fallback, max_split_k, warps_k_choices)
 from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
-__all__ = ["choose_config", "warps_k_choices", "split_k_estimate", "expected_experts", "down_pair_order",
+__all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order",
            "ROWS_16_MAX", "ROWS_64_MAX", "SPLIT_FILL_STAGES", "FULL_WAVE", "WARPS_K_EXTRA_STAGES"]
 
 # Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
@@ -169,12 +169,6 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     else:
         cfg = replace(base if wk == 1 else SPLIT_WARPS_SHAPES[block_m], split_k=split)
     return fallback(cfg, act_order=act_order, hopper=gpu.hopper, pair_a=pair_a)
-
-
-def warps_k_choices(block_m: int | None) -> tuple[int, ...]:
-    """The warps_k a block size's shapes have: 1, and the warps-along-K shape's where there is one."""
-    alt = SPLIT_WARPS_SHAPES.get(block_m)
-    return (1,) if alt is None else (1, alt.warps_k)
 
 
 def _block_size(problem: _Problem, k: int) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from .catalogue import MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M
+from .catalogue import MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, warps_k_choices
 
 __all__ = ["tuning_key", "table_file_name", "shipped_dir", "user_dir", "read_table", "load_table", "tuned_table",
            "tuned_entry", "save_tuned"]
@@ -71,9 +71,8 @@ def _valid(entry) -> bool:
         block_m, split_k, warps_k = entry["block_m"], entry["split_k"], entry.get("warps_k", 1)
     except (KeyError, TypeError, AttributeError):
         return False
-    alt = SPLIT_WARPS_SHAPES.get(block_m)
     return (isinstance(block_m, int) and isinstance(split_k, int) and block_m in SUPPORTED_BLOCK_M
-            and 1 <= split_k <= MAX_SPLIT and warps_k in ((1,) if alt is None else (1, alt.warps_k)))
+            and 1 <= split_k <= MAX_SPLIT and warps_k in warps_k_choices(block_m))
 
 
 def read_table(path: Path, gpu: str) -> dict:
