@@ -91,7 +91,7 @@ def test_deepseek_v3_without_topk_method_is_group_limited(tmp_path):
 
 
 def test_deepseek_v3_defaults_follow_transformers(tmp_path):
-    write_checkpoint(tmp_path, family="deepseek_v3", num_experts=E, extra_config=dict(
+    write_checkpoint(tmp_path, family="deepseek_v3", num_experts=2 * E, extra_config=dict(  # n_group 8: 2 a group
         topk_method=None, scoring_func=None, norm_topk_prob=None, routed_scaling_factor=None, n_group=None,
         topk_group=None), return_weights=False)
     w = load_layer_weights(tmp_path, 0, device=False)

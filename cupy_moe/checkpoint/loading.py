@@ -106,6 +106,8 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
         k = _module_kn(first)[0]
         ns = [_module_kn(m)[1] for m in mods[0]]
         source = f"like expert 0's '{first.name}'"
+    if k < 1 or min(ns) < 1:
+        raise ValueError(f"{label}: expected positive sizes, got K={k}, N={' + '.join(map(str, ns))} ({source})")
     quantized = [m for row in mods for m in row if m.quant is not None]
     dense = [m for row in mods for m in row if m.quant is None]
     if quantized and dense:
@@ -119,7 +121,7 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
             raise ValueError(f"{m.where}: module '{m.name}' is quantized with {m.quant.describe()}, but "
                              f"'{quantized[0].name}' with {quant.describe()}; the experts of {label} must share "
                              f"bits, group_size, sym and format to stack")
-    has_g_idx = has_bias = False
+    g_idx_of, bias_of = {}, {}  # module name -> whether the tensor is present
     for row in mods:
         for m, n in zip(row, ns):
             why = f"K={k}, N={n} {source}"
@@ -152,10 +154,26 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
                             required=fmt.zeros_always or not quant.sym)
                     _expect(ckpt, name("scales"), FLOATS, want["scales"], f"[ceil(K/G), N], {sizes}")
                 if fmt.g_idx:
-                    has_g_idx |= _expect(ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"], f"[K], {sizes}",
-                                         required=False) is not None
-            has_bias |= _expect(ckpt, m.name + ".bias", FLOATS, (n,), f"[N], {why}", required=False) is not None
-    return _Plan(label, mods, k, list(ns), quant, has_g_idx, has_bias)
+                    act_order = m.quant.desc_act and m.quant.group_size != -1  # one group: g_idx changes nothing
+                    g_idx_of[name("g_idx")] = _expect(
+                        ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"], f"[K], {sizes}; desc_act=true in "
+                        f"{ckpt.quant.source} (act-order) needs it", required=act_order) is not None
+            bias_of[m.name + ".bias"] = _expect(ckpt, m.name + ".bias", FLOATS, (n,), f"[N], {why}",
+                                                required=False) is not None
+    _all_or_none(ckpt, label, g_idx_of)
+    _all_or_none(ckpt, label, bias_of)
+    return _Plan(label, mods, k, list(ns), quant, any(g_idx_of.values()), any(bias_of.values()))
+
+
+def _all_or_none(ckpt: Checkpoint, label: str, present: dict):
+    """ValueError naming a module whose optional tensor is missing when another module of the stack has it (the
+    stacked layout keeps one for every expert or none, and a default in its place would be silently wrong)."""
+    have = [name for name, ok in present.items() if ok]
+    if have and len(have) < len(present):
+        missing = next(name for name, ok in present.items() if not ok)
+        raise ValueError(f"tensor '{missing}' is missing, but '{have[0]}' exists ({len(have)} of the "
+                         f"{len(present)} modules of {label} have one): the experts of a stacked projection must all "
+                         f"carry it or none (it is in none of {ckpt.index.source})")
 
 
 def _to_fp16(x: np.ndarray, f: SafetensorsFile, name: str) -> np.ndarray:
