@@ -488,19 +488,24 @@ def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
     plans = [w13_plan, w2_plan]
     shared_plans = None
     if s.shared_experts is not None:
-        i_cfg = ckpt.cfg("shared_expert_intermediate_size")  # Qwen2-MoE
-        if i_cfg is None and isinstance(ckpt.cfg("n_shared_experts"), int):  # DeepSeek: merged shared experts
-            i_cfg = ckpt.cfg("n_shared_experts") * i
+        sized = ckpt.shared_config()
+        i_cfg, src = None, "from the shared gate tensor"
+        if sized is not None:
+            i_cfg = sized[0] if sized[1] == "shared_expert_intermediate_size" else sized[0] * i  # DeepSeek: merged
+            src = f"from config.json {sized[1]}={sized[0]}"
         down_name = s.shared_experts.format(layer=layer, proj=s.down_proj)
         present = (ckpt.tensor(ckpt.quant.base.storage.tensor(down_name, "qweight"))
                    or ckpt.tensor(down_name + ".weight"))
-        if (i_cfg or 0) > 0 or (i_cfg is None and present):
+        if sized is not None and not present:
+            raise ValueError(f"config.json {sized[1]}={sized[0]} describes a shared expert, but layer {layer} has "
+                             f"none: neither '{ckpt.quant.base.storage.tensor(down_name, 'qweight')}' nor "
+                             f"'{down_name}.weight' is in {ckpt.index.source}")
+        if present:
             gate_up = [[ckpt.module(s.shared_experts.format(layer=layer, proj=p), layer)
                         for p in (s.gate_proj, s.up_proj)]]
             down = [[ckpt.module(down_name, layer)]]
-            src = "from config.json"
             if i_cfg is None:
-                i_cfg, src = _module_kn(gate_up[0][0])[1], "from the shared gate tensor"
+                i_cfg = _module_kn(gate_up[0][0])[1]
             shared_plans = (_plan(ckpt, f"layer {layer} shared gate_up", gate_up, h, [i_cfg, i_cfg], src),
                             _plan(ckpt, f"layer {layer} shared down", down, i_cfg, [h], src))
             plans += list(shared_plans)
