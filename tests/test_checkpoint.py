@@ -946,7 +946,7 @@ def test_shared_expert_config_without_shared_tensors(ckpt):
     edit_checkpoint(folder, remove=[n for n in SafetensorsFile(folder / "model.safetensors").tensors
                                     if ".shared_experts." in n])
     with pytest.raises(ValueError, match=r"config\.json n_shared_experts=2 describes a shared expert, but layer 0 "
-                                         r"has none: neither 'model\.layers\.0\.mlp\.shared_experts\.down_proj\.qweight'"):
+                                         r"has none: neither '.*\.mlp\.shared_experts\.down_proj\.qweight'"):
         load_layer_weights(folder, 0, device=False)
     assert inspect_checkpoint(folder)["problems"] == [
         "config.json n_shared_experts=2 describes a shared expert, but a layer has none "

@@ -144,8 +144,9 @@ def inspect_checkpoint(path, *, scheme: NamingScheme | None = None) -> dict:
       layers [{layer, kind ("moe" or "dense"), reason (why dense, else None), experts_found, experts ("gptq",
         "awq", "compressed-tensors", "dense", "mixed" or None), expert_bytes, shared_experts (count),
         shared_storage ("gptq", ..., "dense" or None)}] for every layer in order;
-      problems [str]: each problem once, with the number of tensors it affects (missing or unreadable shards,
-        truncated or corrupt files, missing expert tensors, config/tensor disagreements).
+      problems [str]: each problem once, with the number of tensors (or layers) it affects (missing or unreadable
+        shards, truncated or corrupt files, missing expert tensors, MoE layers without tensors, config/tensor
+        disagreements, expert or layer counts out of range: then the experts or layers found are described).
     A missing folder raises FileNotFoundError, a folder without a quantization config or with unsupported
     quantization settings ValueError, each naming the path and the problem.
     """

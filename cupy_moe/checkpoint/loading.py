@@ -423,7 +423,7 @@ class MoELayerWeights:
     top_k A; renormalize: divide the top-k weights by their sum (Mixtral always; others config norm_topk_prob);
     scoring_func: "softmax" or "sigmoid"; routed_scaling_factor: multiplies the routed output (DeepSeek; 1.0
         otherwise); topk_method ("greedy", "group_limited_greedy", "noaux_tc"), n_group, topk_group: DeepSeek
-        group-limited routing; hidden_act: the config's activation ("silu" for every supported family).
+        group-limited routing; hidden_act: the config's activation (always "silu": others are refused).
         Each comes from config.json or, when absent, from the family's transformers default (routing.py).
     All arrays NumPy (device=False) or CuPy (device=True).
     """
