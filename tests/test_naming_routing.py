@@ -130,7 +130,8 @@ def test_softmax_families_without_routing_keys(tmp_path, family):
     ("mixtral", dict(hidden_act="gelu"), r"config\.json hidden_act='gelu': expected 'silu' \(the expert kernels "
                                          r"compute SiLU\(gate\) \* up\)"),
     ("deepseek_v2", dict(routed_scaling_factor=1e300), r"config\.json routed_scaling_factor=1e\+300: expected a "
-                                                       r"positive finite number \(at most 3\.403e\+38"),
+                                                       r"positive finite number, at most 65504 \(the largest float16"),
+    ("deepseek_v2", dict(routed_scaling_factor=1e30), r"routed_scaling_factor=1e\+30: expected a positive finite"),
     ("deepseek_v2", dict(routed_scaling_factor=float("inf")), r"routed_scaling_factor=inf: expected a positive finite"),
 ])
 def test_routing_errors_name_the_setting_and_its_source(tmp_path, family, extra, match):

@@ -155,9 +155,9 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
                     _expect(ckpt, name("scales"), FLOATS, want["scales"], f"[ceil(K/G), N], {sizes}")
                 if fmt.g_idx:
                     act_order = m.quant.desc_act and m.quant.group_size != -1  # one group: g_idx changes nothing
-                    g_idx_of[name("g_idx")] = _expect(
-                        ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"], f"[K], {sizes}; desc_act=true in "
-                        f"{ckpt.quant.source} (act-order) needs it", required=act_order) is not None
+                    need = f"; desc_act=true in {ckpt.quant.source} (act-order) needs it" if act_order else ""
+                    g_idx_of[name("g_idx")] = _expect(ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"],
+                                                      f"[K], {sizes}{need}", required=act_order) is not None
             bias_of[m.name + ".bias"] = _expect(ckpt, m.name + ".bias", FLOATS, (n,), f"[N], {why}",
                                                 required=False) is not None
     _all_or_none(ckpt, label, g_idx_of)

@@ -35,7 +35,7 @@ _GENERIC = dict(renormalize=False, scoring_func="softmax", topk_method="greedy",
 _KEYS = {"renormalize": "norm_topk_prob", "scoring_func": "scoring_func", "topk_method": "topk_method",
          "routed_scaling_factor": "routed_scaling_factor", "n_group": "n_group", "topk_group": "topk_group"}
 _METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-_F32_MAX = 3.4028234663852886e38  # largest finite float32
+_RSF_MAX = 65504.0  # largest float16: a larger routed_scaling_factor overflows float16 activations
 
 
 def describe_source(source: str, key: str | None, family: str) -> str:
@@ -104,9 +104,9 @@ def check(out: dict, family: str, num_experts: int | None):
     if not isinstance(out["renormalize"][0], bool):
         bad("renormalize", "true or false")
     rsf = out["routed_scaling_factor"][0]
-    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not 0 < rsf <= _F32_MAX:
-        bad("routed_scaling_factor", f"a positive finite number (at most {_F32_MAX:.4g}: the routed output is "
-            f"scaled in float32)")
+    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not 0 < rsf <= _RSF_MAX:
+        bad("routed_scaling_factor", f"a positive finite number, at most {_RSF_MAX:g} (the largest float16: a "
+            f"larger factor overflows float16 activations)")
     if out["hidden_act"][0] != "silu":
         bad("hidden_act", "'silu' (the expert kernels compute SiLU(gate) * up)")
     if out["topk_method"][0] == "greedy":
