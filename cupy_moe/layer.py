@@ -71,16 +71,17 @@ def select_experts(router_logits, top_k, renormalize=False):
     Returns topk_weights float32 [M, A] and topk_ids int32 [M, A], on the device for CuPy input.
     """
     check_input("router_logits", router_logits, ("float16", "bfloat16", "float32"), "[M, E]")
+    _check_matrix("router_logits", router_logits, "[M, E]")
+    _check_top_k(router_logits, top_k)  # the kernel's limits, on both paths (a NumPy script moves over unchanged)
     if not is_device_array(router_logits):
         return reference.select_experts(router_logits, top_k, renormalize)
     ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
-    _check_matrix("router_logits", router_logits, "[M, E]")
-    _check_device_top_k(router_logits, top_k)
     return _launch_per_token(f"select_experts<{ctype}>", router_logits, top_k, (np.int32(bool(renormalize)),))
 
 
-def _check_device_top_k(router_logits, top_k):
-    """The GPU routing kernels' limits: E <= 1024 (a warp's shared memory), A <= 32 (one slot per lane)."""
+def _check_top_k(router_logits, top_k):
+    """The routing kernels' limits, checked on both paths: E <= 1024 (a warp's shared memory), A <= 32 (one slot
+    per lane)."""
     e = router_logits.shape[1]
     if not 1 <= e <= 1024:
         raise ValueError(f"router_logits: expected 1 <= E <= 1024 experts, got E={e}")
@@ -167,22 +168,20 @@ def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_corre
                   routed_scaling_factor=1.0):
     """The routing of DeepSeek's config.json keys (and the plain softmax top-k with them at their defaults).
 
-    router_logits: float32 [M, E] (E <= 1024 on the GPU). top_k: A, 1 <= A <= min(E, 32) on the GPU.
+    router_logits: float32 [M, E], E <= 1024. top_k: A, 1 <= A <= min(E, 32).
     scoring_func: "softmax" or "sigmoid" scores. e_score_correction_bias: float32 [E] or None, added to the scores
     to choose experts (the weights stay the scores). topk_method: "greedy" (or None), or with n_group > 1 groups of
     E / n_group experts "group_limited_greedy" (a group scores its best expert) or "noaux_tc" (the sum of its two
     best): only the topk_group best groups' experts can be chosen. Ties go to the lower index, for groups and
     experts. renormalize: weights / (their sum + 1e-20); then times routed_scaling_factor.
-    Returns topk_weights float32 [M, A] and topk_ids int32 [M, A]: one kernel launch on the GPU (n_group <= 32).
+    Returns topk_weights float32 [M, A] and topk_ids int32 [M, A]: one kernel launch on the GPU. The kernel's
+    limits (E, A, n_group <= 32) hold on both paths.
     """
     check_input("router_logits", router_logits, ("float32",), "[M, E]")
     _check_matrix("router_logits", router_logits, "[M, E]")
     m, e = router_logits.shape
     device = is_device_array(router_logits)
-    if device:
-        _check_device_top_k(router_logits, top_k)
-    elif isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= e:
-        raise ValueError(f"top_k: expected an int in [1, E] = [1, {e}], got {top_k!r}")
+    _check_top_k(router_logits, top_k)  # the kernel's limits, on both paths
     if scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
     if topk_method not in (None, "greedy", *_GROUP_MODES):
@@ -190,9 +189,8 @@ def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_corre
     groups = n_group or 1
     group_mode = _GROUP_MODES.get(topk_method, 0) if groups > 1 else 0
     if group_mode:
-        if e % groups or (device and groups > 32):
-            raise ValueError(f"n_group: expected a divisor of E = {e}" + (" of at most 32" if device else "")
-                             + f", got {n_group!r}")
+        if e % groups or groups > 32:
+            raise ValueError(f"n_group: expected a divisor of E = {e} of at most 32, got {n_group!r}")
         if group_mode == 2 and e // groups < 2:
             raise ValueError(f"n_group: expected groups of at least 2 experts with topk_method 'noaux_tc' (a group "
                              f"scores its two best), got E = {e}, n_group = {groups}")

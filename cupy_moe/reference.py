@@ -448,7 +448,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     out: optional [M*A, N] array of a's dtype to write into.
     Returns [M*A, N] of a's dtype: row p = a[p // A] @ W[expert of p's block] (* weight of p), float64 math,
     rounded once. Only blocks b with b*B < num_tokens_post_padded and expert_ids[b] != -1 are computed; ids >= P
-    (sentinels) are skipped, and must follow the block's pairs (padding ends a block). Rows of pairs never produced stay untouched in `out` (zeros in a new output).
+    (sentinels) are skipped, and must follow the block's pairs (padding ends a block). Rows of pairs never produced
+    stay untouched in `out` (zeros in a new output).
     """
     _check_float_array("a", a, 2, "[M, K]")
     top_k = _check_positive_int("top_k", top_k)

@@ -39,7 +39,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
 
     models: names of `cupy_moe.models.MODELS`, any case (default: BENCHMARK_MODELS). ms: token counts M >= 1.
     bits: 4 or 8; group_size: -1 or a positive multiple of 32. reps: graph replays per candidate.
-    Returns {tuning_key: {"block_m", "split_k", "time_us"}}, the entries it saves to this GPU's table.
+    Returns {tuning_key: {"block_m", "split_k", "warps_k", "time_us"}}, the entries it saves to this GPU's table.
     """
     shapes = [get_model(name) for name in (BENCHMARK_MODELS if models is None else models)]
     bad = [m for m in ms if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1]
@@ -69,8 +69,9 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
                 heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, gpu=gpu, tuned=False)
-                # a (block_m, split_k) entry runs what choose_config makes of it (16-row splits of 2-4, say, all
-                # run one warps-along-K shape): each configuration is timed once, under the first entry that gives it
+                # candidates: every block size's plain shape at every split, and the warps-along-K shape where the
+                # block size has one (rule 4's alternative), each named by the (block_m, split_k, warps_k) entry
+                # that gives it exactly; a configuration is timed once, under the first entry that gives it
                 runs = {}
                 for block_m in configs.SUPPORTED_BLOCK_M:
                     pair = phase == "down" and configs.down_pair_order(bits, block_m)  # as fused_moe's act
@@ -78,27 +79,30 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                     unsplit = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
                                                     pair_a=pair, split_k=1)
                     rule = configs.split_k_estimate(unsplit, rows, e, top_k, k, n, gpu=gpu)  # the heuristic's split
-                    for split in sorted({s for s in SPLITS if s <= most} | {rule}):
+                    named = [(split, 1) for split in sorted({s for s in SPLITS if s <= most} | {rule})]
+                    named += [(1, wk) for wk in configs.warps_k_choices(block_m) if wk > 1]
+                    for split, wk in named:
                         cfg = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
-                                                    pair_a=pair, split_k=split)
-                        runs.setdefault(cfg, (block_m, split, pair))
+                                                    pair_a=pair, split_k=split, warps_k=wk)
+                        runs.setdefault(cfg, (block_m, split, wk, pair))
                 timings = {}
-                for cfg, (block_m, split, pair) in runs.items():
+                for cfg, (block_m, split, _, pair) in runs.items():
                     aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
                     calls = [lambda al=al, cfg=cfg, pair=pair: fused_moe_gemm(x, weight, *al, top_k, out=out,
                                                                               a_pair_order=pair, config=cfg)
                              for al in aligned]
                     timings[cfg] = graph_time(calls, reps=reps)
                 best_cfg, best = min(timings.items(), key=lambda kv: kv[1])
-                block_m, split, _ = runs[best_cfg]
+                block_m, split, wk, _ = runs[best_cfg]
                 base = timings.get(heuristic, float("nan"))
-                phase_found[key] = {"block_m": block_m, "split_k": split, "time_us": round(best * 1e6, 2)}
+                phase_found[key] = {"block_m": block_m, "split_k": split, "warps_k": wk,
+                                    "time_us": round(best * 1e6, 2)}
                 per_block = {}  # the fastest configuration of each block_m
                 for cfg, t in sorted(timings.items(), key=lambda kv: kv[1]):
                     per_block.setdefault(cfg.block_m, f"{_label(cfg)}: {t * 1e6:.1f}")
                 log(f"{shape.name:18s} {phase:7s} M={m:5d}  best {_label(best_cfg)} (block_m={block_m:3d} "
-                    f"split_k={split:2d}) {best * 1e6:9.1f} us; the heuristic's {_label(heuristic)} {base * 1e6:9.1f} "
-                    f"us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
+                    f"split_k={split:2d} warps_k={wk}) {best * 1e6:9.1f} us; the heuristic's {_label(heuristic)} "
+                    f"{base * 1e6:9.1f} us; per block_m: {', '.join(per_block[bm] for bm in sorted(per_block))}")
             found.update(phase_found)
             if save and phase_found:  # after each phase: a run stopped later keeps what it measured
                 path = configs.save_tuned(gpu.name, phase_found)

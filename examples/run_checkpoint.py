@@ -6,7 +6,8 @@ FOLDER is a downloaded checkpoint, e.g. `hf download REPO --local-dir FOLDER` (d
 loads). On a machine with a CUDA GPU the layer runs on the GPU and is compared with the NumPy reference path;
 without one it runs the NumPy path and is compared with plain float64 loops over the dequantized weights.
 Without FOLDER it writes a small synthetic checkpoint with cupy_moe.testing and runs that.
-Exit status: 0 when the output is within the bar, 1 when not, 2 when the folder cannot be loaded.
+Exit status: 0 when the output is within the bar (or the check is skipped, with a line saying why), 1 when
+not, 2 when the folder cannot be loaded.
 """
 import argparse
 import sys

@@ -801,6 +801,182 @@ def test_inspect_refuses_a_folder_it_cannot_describe(tmp_path):
         inspect_checkpoint(tmp_path / "ck")
 
 
+def _set_json(path: Path, **changes):
+    """Set (or, with None, delete) top-level keys of a JSON file."""
+    data = json.loads(path.read_text())
+    for key, val in changes.items():
+        if val is None:
+            data.pop(key, None)
+        else:
+            data[key] = val
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("value", ["", ".", "..", "sub/model.safetensors", "/abs/model.safetensors",
+                                   "../other/model.safetensors"])
+def test_index_entries_must_name_files_in_the_folder(ckpt, value):
+    folder, _ = _mixtral(ckpt, num_shards=2)
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    name = "model.layers.0.block_sparse_moe.gate.weight"
+    data["weight_map"][name] = value
+    index.write_text(json.dumps(data))
+    match = rf"model\.safetensors\.index\.json: weight_map\['{re.escape(name)}'\] = {re.escape(repr(value))}: " \
+            r"expected the name of a file in the checkpoint folder"
+    for call in (lambda: load_layer_weights(folder, 0, device=False), lambda: inspect_checkpoint(folder)):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("content, match", [
+    (b'{"model_type": "\xff"}', r"config\.json: expected UTF-8 JSON text, got undecodable bytes"),
+    (b"[" * 100000 + b"]" * 100000, r"config\.json: not valid JSON for this reader: nested too deeply"),
+    (None, r"config\.json: expected a JSON file, got a directory"),
+])
+def test_unreadable_config_json(ckpt, content, match):
+    folder, _ = _mixtral(ckpt, quant_config_files="quantize_config")
+    if content is None:
+        (folder / "config.json").unlink()
+        (folder / "config.json").mkdir()
+    else:
+        (folder / "config.json").write_bytes(content)
+    for call in (lambda: load_layer_weights(folder, 0, device=False), lambda: inspect_checkpoint(folder)):
+        with pytest.raises(ValueError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("quant_method, key, value, expected", [
+    ("gptq", "modules_in_block_to_quantize", [None], "a list of strings or of lists of strings"),
+    ("gptq", "modules_in_block_to_quantize", 5, "a list of strings or of lists of strings"),
+    ("gptq", "modules_in_block_to_quantize", [[1, 2]], "a list of strings or of lists of strings"),
+    ("awq", "modules_to_not_convert", 7, "a list of strings"),
+    ("awq", "modules_to_not_convert", "lm_head", "a list of strings"),
+])
+def test_quant_config_lists_of_the_wrong_type(ckpt, quant_method, key, value, expected):
+    folder, _ = ckpt(family="mixtral", quant_method=quant_method, quant_config_files="quantize_config",
+                     extra_quant_config={key: value})
+    match = rf"quantize_config\.json: {key}: expected {expected}, got {re.escape(repr(value))}"
+    for call in (lambda: load_layer_weights(folder, 0, device=False), lambda: inspect_checkpoint(folder)):
+        with pytest.raises(TypeError, match=match):
+            call()
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"hidden_size": 0}, r"layer \d w13: expected positive sizes, got K=0, N=128 \+ 128 \(from config\.json "
+                         r"hidden_size=0"),
+    ({"intermediate_size": 0}, r"layer \d w13: expected positive sizes, got K=64, N=0 \+ 0"),
+    ({"num_local_experts": 0}, r"config\.json num_local_experts=0: expected 1 to 4096 experts"),
+    ({"num_local_experts": -3}, r"config\.json num_local_experts=-3: expected 1 to 4096 experts"),
+    ({"num_local_experts": 2 ** 40}, r"config\.json num_local_experts=1099511627776: expected 1 to 4096 experts"),
+    ({"num_hidden_layers": 2 ** 40}, r"config\.json num_hidden_layers=1099511627776: expected 1 to 100000 layers"),
+])
+def test_sizes_and_counts_out_of_range(ckpt, extra, match):
+    folder, _ = _mixtral(ckpt, group_size=-1, num_layers=2, extra_config=extra)
+    for layer in (0, 1):
+        with pytest.raises(ValueError, match=match):
+            load_layer_weights(folder, layer, device=False)
+    if "hidden_size" not in extra and "intermediate_size" not in extra:
+        assert re.fullmatch(match, inspect_checkpoint(folder)["problems"][0])
+
+
+def test_inspect_work_follows_the_tensors_present(ckpt):
+    folder, _ = _mixtral(ckpt, num_layers=2, extra_config={"num_local_experts": 4097})
+    assert inspect_checkpoint(folder)["problems"] == ["config.json num_local_experts=4097: expected 1 to 4096 experts"]
+    _set_json(folder / "config.json", num_local_experts=4096)  # within the limit: the missing ones, in one line
+    assert inspect_checkpoint(folder)["problems"] == [
+        "expert modules with neither '.qweight' nor '.weight' (24552 tensors, e.g. "
+        "'model.layers.0.block_sparse_moe.experts.4.w1.qweight')"]
+    _set_json(folder / "config.json", num_local_experts=4, num_hidden_layers=100_001)
+    info = inspect_checkpoint(folder)  # an absurd layer count: the layers the tensors have
+    assert info["problems"] == ["config.json num_hidden_layers=100001: expected 1 to 100000 layers"]
+    assert info["moe_layers"] == [0, 1] and info["num_layers"] is None
+    _set_json(folder / "config.json", num_hidden_layers=1000)  # layers without tensors: one line
+    info = inspect_checkpoint(folder)
+    assert info["problems"] == ["MoE layers without any tensors (998 layers, e.g. 'model.layers.2.*')"]
+    assert len(info["layers"]) == 1000
+
+
+def test_stray_expert_or_layer_tensor(ckpt):
+    folder, _ = _mixtral(ckpt, extra_config={"num_local_experts": None, "num_hidden_layers": None})
+    stray = "model.layers.0.block_sparse_moe.experts.100000000.w1"
+    edit_checkpoint(folder, rename=lambda n: n.replace(".experts.3.w1.", ".experts.100000000.w1."))
+    match = (rf"tensor '{re.escape(stray)}\.\*' \(in model\.safetensors\) is of expert 100000000, beyond the limit "
+             rf"of 4096 experts")
+    with pytest.raises(ValueError, match=match):
+        load_layer_weights(folder, 0, device=False)
+    problems = inspect_checkpoint(folder)["problems"]
+    assert re.fullmatch(match, problems[0]) and len(problems) == 2, problems  # + the stray expert's missing w3, w2
+    _set_json(folder / "config.json", num_local_experts=4)
+    with pytest.raises(ValueError, match=r"config\.json num_local_experts=4, but the checkpoint has tensors of "
+                                         r"expert 100000000"):
+        load_layer_weights(folder, 0, device=False)
+    folder, _ = _mixtral(ckpt, extra_config={"num_hidden_layers": None})
+    edit_checkpoint(folder, rename=lambda n: n.replace("layers.0.input_layernorm", "layers.100000000.input_layernorm"))
+    info = inspect_checkpoint(folder)
+    assert info["problems"][0] == ("tensor 'model.layers.100000000.input_layernorm.weight' (in model.safetensors) is "
+                                   "of layer 100000000, beyond the limit of 100000 layers (config.json has no "
+                                   "num_hidden_layers)")
+    assert info["moe_layers"] == [0, 100000000]
+    with pytest.raises(ValueError, match=r"beyond the limit of 100000 layers"):
+        load_model_weights(folder, device=False)
+    assert load_layer_weights(folder, 0, device=False).num_experts == 4  # layer 0 itself is fine
+
+
+@pytest.mark.parametrize("family, extra, error, match", [
+    ("qwen2_moe", {"shared_expert_intermediate_size": -1}, ValueError,
+     r"config\.json shared_expert_intermediate_size=-1: expected a positive int"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 0}, ValueError,
+     r"config\.json shared_expert_intermediate_size=0: expected a positive int"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 256.0}, TypeError,
+     r"config\.json shared_expert_intermediate_size: expected a positive int, got 256\.0"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": "256"}, TypeError,
+     r"config\.json shared_expert_intermediate_size: expected a positive int, got '256'"),
+    ("deepseek_v2", {"n_shared_experts": -2}, ValueError, r"config\.json n_shared_experts=-2: expected a positive int"),
+    ("deepseek_v2", {"n_shared_experts": 0}, ValueError, r"config\.json n_shared_experts=0: expected a positive int"),
+])
+def test_shared_expert_sizes(ckpt, family, extra, error, match):
+    folder, _ = ckpt(family=family, extra_config=extra)
+    with pytest.raises(error, match=match):
+        load_layer_weights(folder, 0, device=False)
+    assert any(re.match(match, p) for p in inspect_checkpoint(folder)["problems"])
+
+
+def test_shared_expert_config_without_shared_tensors(ckpt):
+    folder, _ = ckpt(family="deepseek_v2")
+    edit_checkpoint(folder, remove=[n for n in SafetensorsFile(folder / "model.safetensors").tensors
+                                    if ".shared_experts." in n])
+    with pytest.raises(ValueError, match=r"config\.json n_shared_experts=2 describes a shared expert, but layer 0 "
+                                         r"has none: neither '.*\.mlp\.shared_experts\.down_proj\.qweight'"):
+        load_layer_weights(folder, 0, device=False)
+    assert inspect_checkpoint(folder)["problems"] == [
+        "config.json n_shared_experts=2 describes a shared expert, but a layer has none "
+        "(tensor 'model.layers.0.mlp.shared_experts.down_proj.qweight')"]
+    _set_json(folder / "config.json", n_shared_experts=None)  # the config agrees: no shared expert
+    assert load_layer_weights(folder, 0, device=False).shared is None
+
+
+def test_optional_tensors_all_or_none(ckpt):
+    folder, _ = _mixtral(ckpt, desc_act=True)
+    edit_checkpoint(folder, remove=[n for n in SafetensorsFile(folder / "model.safetensors").tensors
+                                    if n.endswith(".g_idx")])
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.g_idx' is "
+                                         r"missing: expected I32 \[64\] .*desc_act=true in quantize_config\.json "
+                                         r"\(act-order\) needs it"):
+        load_layer_weights(folder, 0, device=False)
+    folder, _ = _mixtral(ckpt)  # no act-order, but one expert lacks the g_idx the others have
+    edit_checkpoint(folder, remove=["model.layers.0.block_sparse_moe.experts.2.w3.g_idx"])
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.2\.w3\.g_idx' is "
+                                         r"missing, but '.*experts\.0\.w1\.g_idx' exists \(7 of the 8 modules of "
+                                         r"layer 0 w13 have one\)"):
+        load_layer_weights(folder, 0, device=False)
+    folder, _ = _mixtral(ckpt, bias=True)
+    edit_checkpoint(folder, remove=["model.layers.0.block_sparse_moe.experts.2.w2.bias"])
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.block_sparse_moe\.experts\.2\.w2\.bias' is "
+                                         r"missing, but '.*experts\.0\.w2\.bias' exists \(3 of the 4 modules of "
+                                         r"layer 0 w2 have one\)"):
+        load_layer_weights(folder, 0, device=False)
+
+
 # --------------------------------------------------------------------------- memory
 
 

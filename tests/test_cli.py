@@ -170,8 +170,8 @@ def test_inspect_summarises_layers_in_order(tmp_path, capsys):
 def test_inspect_says_which_routing_settings_are_defaults(tmp_path, capsys):
     # a DeepSeek-V3 config without its selection keys (as transformers 5 writes them): the model type's defaults,
     # each named with where it came from
-    write_checkpoint(tmp_path, family="deepseek_v3", num_layers=2, hidden=64, intermediate=128, num_experts=8,
-                     top_k=2, return_weights=False)
+    write_checkpoint(tmp_path, family="deepseek_v3", num_layers=2, hidden=64, intermediate=128, num_experts=16,
+                     top_k=2, return_weights=False)  # the default n_group=8: two experts a group
     cfg = json.loads((tmp_path / "config.json").read_text())
     for key in ("topk_method", "n_group", "topk_group"):
         cfg.pop(key, None)

@@ -169,6 +169,38 @@ def test_refused_schemes(tmp_path, extra, match):
         inspect_checkpoint(tmp_path)
 
 
+@pytest.mark.parametrize("extra,error,match", [
+    ({"ignore": ["lm_head", "re:[oops"]}, ValueError,
+     r"ignore entry 're:\[oops' is not a valid regular expression \(unterminated character set"),
+    ({"config_groups": _group(targets=["re:(.*experts"])}, ValueError,
+     r"config_groups\['group_0'\] target 're:\(\.\*experts' is not a valid regular expression"),
+    ({"config_groups": _group(targets="Linear")}, TypeError,
+     r"config_groups\['group_0'\] targets: expected a list of strings, got 'Linear'"),
+    ({"ignore": "lm_head"}, TypeError, r"ignore: expected a list of strings, got 'lm_head'"),
+    ({"ignore": [["lm_head"]]}, TypeError, r"ignore: expected a list of strings, got \[\['lm_head'\]\]"),
+    ({"format": ["pack-quantized"], "config_groups": _group(format=None)}, TypeError,
+     r"config_groups\['group_0'\] format: expected a string such as 'pack-quantized', got \['pack-quantized'\]"),
+])
+def test_patterns_and_lists_checked_when_parsed(tmp_path, extra, error, match):
+    write_checkpoint(tmp_path, family="mixtral", quant_method=CT, extra_quant_config=extra)
+    with pytest.raises(error, match=r"config\.json\['quantization_config'\]: " + match):
+        load_layer_weights(tmp_path, 0, device=False)
+    with pytest.raises(error, match=match):
+        inspect_checkpoint(tmp_path)
+
+
+def test_actorder_group_needs_every_g_idx(tmp_path):
+    write_checkpoint(tmp_path, family="qwen3_moe", quant_method=CT, desc_act=True)
+    g_idx = [n for n in SafetensorsFile(tmp_path / "model.safetensors").tensors if n.endswith(".weight_g_idx")]
+    edit_checkpoint(tmp_path, remove=g_idx[:1])
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight_g_idx' is "
+                                         r"missing: .*desc_act=true .*needs it"):
+        load_layer_weights(tmp_path, 0, device=False)
+    edit_checkpoint(tmp_path, remove=g_idx[1:])
+    with pytest.raises(ValueError, match=r"weight_g_idx' is missing: .*desc_act=true .*needs it"):
+        load_layer_weights(tmp_path, 0, device=False)
+
+
 def test_tensor_errors_name_the_compressed_tensors_layout(tmp_path):
     write_checkpoint(tmp_path, family="mixtral", quant_method=CT, sym=False, group_size=32)
     m = "model.layers.0.block_sparse_moe.experts.1.w3"

@@ -187,6 +187,35 @@ def test_tuned_entry_wins_and_survives_a_reload(fake_gpu, tmp_path):
             choose(1, 8, 2, 4096, 4096, 4, 128, gpu=fake_gpu).split_k) == (64, 2)
 
 
+def test_warps_k_settles_rule_4_for_forced_splits_and_tuned_entries(fake_gpu):
+    """Mixtral-8x7B down at M = 32 (64 rows): rule 4 turns a 16-row split of 3 into the warps-along-K shape;
+    warps_k=1 keeps the plain split, warps_k=4 asks for the other shape; a tuned entry's warps_k does the same,
+    an entry without one leaves rule 4 to decide."""
+    args = (64, 8, 1, 14336, 4096, 4, 128)
+    assert configs.warps_k_choices(16) == (1, 4) and configs.warps_k_choices(64) == (1,)
+    ruled = choose(*args, 16, gpu=fake_gpu, split_k=3)
+    assert (ruled.warps_k, ruled.split_k) == (4, 1)  # rule 4
+    plain = choose(*args, 16, gpu=fake_gpu, split_k=3, warps_k=1)
+    assert plain == replace(configs.DECODE, split_k=3)
+    assert choose(*args, 16, gpu=fake_gpu, split_k=2, warps_k=4) == replace(configs.DECODE_WK, split_k=2)
+    key = configs.tuning_key(8, 14336, 4096, 4, 128, 64)
+    configs.save_tuned("Fake GPU", {key: {"block_m": 16, "split_k": 3, "warps_k": 1, "time_us": 1.0}})
+    assert choose(*args, gpu=fake_gpu) == plain
+    configs.save_tuned("Fake GPU", {key: {"block_m": 16, "split_k": 1, "warps_k": 4, "time_us": 1.0}})
+    assert choose(*args, gpu=fake_gpu) == replace(configs.DECODE_WK, split_k=1)
+    configs.save_tuned("Fake GPU", {key: {"block_m": 16, "split_k": 3, "time_us": 1.0}})  # no warps_k: rule 4
+    assert choose(*args, gpu=fake_gpu) == ruled
+    with pytest.raises(ValueError, match=r"warps_k: expected one of \(1,\) with a split_k, or None, got warps_k=4, "
+                                         r"split_k=1, block_m=64"):
+        choose(*args, 64, gpu=fake_gpu, split_k=1, warps_k=4)
+    with pytest.raises(ValueError, match=r"warps_k: expected one of \(1, 4\) with a split_k, or None, got warps_k=1, "
+                                         r"split_k=None"):
+        choose(*args, 16, gpu=fake_gpu, warps_k=1)
+    with pytest.raises(ValueError, match=r"entries: expected .* if given, a warps_k of 1 or the warps-along-K "
+                                         r"shape's \(4 for block_m 16\)"):
+        configs.save_tuned("Fake GPU", {key: {"block_m": 64, "split_k": 1, "warps_k": 4}})
+
+
 def test_missing_problem_uses_the_heuristic_silently(fake_gpu):
     heuristic_pick = choose(1, 8, 2, 4096, 4096, 4, 128, gpu=fake_gpu)  # no table yet
     configs.save_tuned("Fake GPU", {"E1_K32_N32_b4_G32_P1": {"block_m": 16, "split_k": 1}})

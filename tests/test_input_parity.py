@@ -92,6 +92,13 @@ def test_fused_moe_gemm_and_align_reject_the_same_inputs(host_layer, xp_name):
         cupy_moe.fused_moe_gemm(x, w13, *aligned, A, topk_weights=tw.astype(xp.float16))
     with pytest.raises(TypeError, match=r"router_logits: expected dtype float16 or bfloat16 or float32, got int64"):
         cupy_moe.select_experts(xp.zeros((M, E), xp.int64), A)
+    # the routing kernel's limits hold on the NumPy path too
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, min\(E, 32\)\] = \[1, 32\], got 40"):
+        cupy_moe.select_experts(xp.zeros((M, 64), xp.float32), 40)
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, min\(E, 32\)\] = \[1, 4\], got 2.0"):
+        cupy_moe.select_experts(xp.zeros((M, E), xp.float32), 2.0)
+    with pytest.raises(ValueError, match=r"router_logits: expected 1 <= E <= 1024 experts, got E=2000"):
+        cupy_moe.select_experts(xp.zeros((M, 2000), xp.float32), 2)
 
 
 @pytest.mark.parametrize("xp_name", XPS)

@@ -144,13 +144,13 @@ def test_route_experts_rejects_bad_arguments():
     logits = np.zeros((2, 8), np.float32)
     with pytest.raises(TypeError, match="router_logits: expected dtype float32, got float16"):
         route_experts(logits.astype(np.float16), 2)
-    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, E\] = \[1, 8\], got 9"):
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, min\(E, 32\)\] = \[1, 8\], got 9"):
         route_experts(logits, 9)
     with pytest.raises(ValueError, match="scoring_func: expected 'softmax' or 'sigmoid', got 'relu'"):
         route_experts(logits, 2, scoring_func="relu")
     with pytest.raises(ValueError, match="topk_method: expected 'greedy', 'group_limited_greedy' or 'noaux_tc'"):
         route_experts(logits, 2, topk_method="random")
-    with pytest.raises(ValueError, match="n_group: expected a divisor of E = 8, got 3"):
+    with pytest.raises(ValueError, match="n_group: expected a divisor of E = 8 of at most 32, got 3"):
         route_experts(logits, 2, topk_method="noaux_tc", n_group=3, topk_group=1)
     with pytest.raises(ValueError, match="n_group: expected groups of at least 2 experts with topk_method "
                                          "'noaux_tc'.*E = 8, n_group = 8"):

@@ -91,7 +91,7 @@ def test_deepseek_v3_without_topk_method_is_group_limited(tmp_path):
 
 
 def test_deepseek_v3_defaults_follow_transformers(tmp_path):
-    write_checkpoint(tmp_path, family="deepseek_v3", num_experts=E, extra_config=dict(
+    write_checkpoint(tmp_path, family="deepseek_v3", num_experts=2 * E, extra_config=dict(  # n_group 8: 2 a group
         topk_method=None, scoring_func=None, norm_topk_prob=None, routed_scaling_factor=None, n_group=None,
         topk_group=None), return_weights=False)
     w = load_layer_weights(tmp_path, 0, device=False)
@@ -125,12 +125,35 @@ def test_softmax_families_without_routing_keys(tmp_path, family):
                                                   r"'greedy' or 'group_limited_greedy' or 'noaux_tc'"),
     ("qwen3_moe", dict(num_experts_per_tok=5), r"config\.json num_experts_per_tok=5: expected at most E=4 experts"),
     ("qwen2_moe", dict(scoring_func="sparsemax"), r"scoring_func='sparsemax': expected 'softmax' or 'sigmoid'"),
+    ("deepseek_v3", dict(n_group=4, topk_group=2), r"config\.json n_group=4: expected at most E/2 = 2 \(topk_method "
+                                                   r"'noaux_tc' scores a group by the sum of its two best experts"),
+    ("mixtral", dict(hidden_act="gelu"), r"config\.json hidden_act='gelu': expected 'silu' \(the expert kernels "
+                                         r"compute SiLU\(gate\) \* up\)"),
+    ("deepseek_v2", dict(routed_scaling_factor=1e300), r"config\.json routed_scaling_factor=1e\+300: expected a "
+                                                       r"positive finite number, at most 65504 \(the largest float16"),
+    ("deepseek_v2", dict(routed_scaling_factor=1e30), r"routed_scaling_factor=1e\+30: expected a positive finite"),
+    ("deepseek_v2", dict(routed_scaling_factor=float("inf")), r"routed_scaling_factor=inf: expected a positive finite"),
 ])
 def test_routing_errors_name_the_setting_and_its_source(tmp_path, family, extra, match):
     write_checkpoint(tmp_path, family=family, extra_config=extra, return_weights=False)
     with pytest.raises(ValueError, match=match):
         load_layer_weights(tmp_path, 0, device=False)
     assert inspect_checkpoint(tmp_path)["routing_error"] is not None
+
+
+@pytest.mark.parametrize("extra,match", [
+    (dict(model_type=["mixtral"]), r"config\.json model_type: expected a string, got \['mixtral'\]"),
+    (dict(model_type=None, architectures="MixtralForCausalLM"),
+     r"config\.json architectures: expected a list of strings, got 'MixtralForCausalLM'"),
+    (dict(model_type=None, architectures=[["MixtralForCausalLM"]]),
+     r"config\.json architectures: expected a list of strings, got \[\['MixtralForCausalLM'\]\]"),
+])
+def test_family_labels_of_the_wrong_type(tmp_path, extra, match):
+    write_checkpoint(tmp_path, extra_config=extra, return_weights=False)
+    with pytest.raises(TypeError, match=match):
+        load_layer_weights(tmp_path, 0, device=False)
+    with pytest.raises(TypeError, match=match):
+        inspect_checkpoint(tmp_path)
 
 
 def test_schemes_are_the_first_naming_of_each_family():

@@ -40,10 +40,11 @@ def test_tune_keeps_the_fastest_candidate_and_choose_config_follows_it(fake):
     found = tune_mod.tune(["tiny"], (1, 64), reps=1, log=lambda line: None)
     assert len(found) == 4  # two phases x two token counts
     assert {len({c for c, _ in fake.launched if c.block_m == b}) > 0 for b in configs.SUPPORTED_BLOCK_M} == {True}
+    assert any(c.block_m == 16 and c.warps_k == 4 for c, _ in fake.launched)  # rule 4's alternative is timed too
     saved = json.loads(fake.table.read_text())
     assert saved["gpu"] == GPU.name and saved["entries"] == found
     for entry in found.values():
-        assert (entry["block_m"], entry["split_k"]) == (64, 2) and entry["time_us"] == 1.0
+        assert (entry["block_m"], entry["split_k"], entry["warps_k"]) == (64, 2, 1) and entry["time_us"] == 1.0
     # choose_config now takes the table's block size and split for these problems (and not for others)
     tiny = tune_mod.get_model("tiny")
     k, n, top_k = tiny.phases()["gate_up"]

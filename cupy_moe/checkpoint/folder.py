@@ -12,7 +12,12 @@ from .naming import NamingScheme, config_value, detect_scheme
 from .quant_config import Quant, find_quant_config
 from .safetensors import TensorIndex, read_json
 
-__all__ = ["Checkpoint", "Module"]
+__all__ = ["Checkpoint", "Module", "MAX_EXPERTS", "MAX_LAYERS"]
+
+# Limits on the counts config.json or a tensor name may claim: well above any real model (DeepSeek-V3 has 256
+# routed experts and 61 layers), low enough that a corrupt value is refused instead of looped over.
+MAX_EXPERTS = 4096
+MAX_LAYERS = 100_000
 
 
 class Checkpoint:
@@ -30,6 +35,7 @@ class Checkpoint:
         self.quant = find_quant_config(folder, self.config)
         self.index = TensorIndex(folder, lenient)
         self._experts = None  # {layer: {expert: {proj}}}, built on first use
+        self._layers = None  # {layer: first tensor name of that layer}, built on first use
         try:
             self.scheme = scheme if scheme is not None else detect_scheme(self.config, self.index.names(), self.folder)
             if not isinstance(self.scheme, NamingScheme):
@@ -55,9 +61,40 @@ class Checkpoint:
         """(value, key found) of a size key, its CONFIG_SYNONYMS spellings included; (None, None) if absent."""
         return config_value(self.config, key)
 
+    def shared_config(self) -> tuple[int, str] | None:
+        """(value, key) of the config.json key sizing the shared expert: Qwen2-MoE shared_expert_intermediate_size
+        (I_s) or DeepSeek n_shared_experts (experts merged into one, I_s = n * I); None when config.json has
+        neither. A value that is not a positive int raises (a layer without shared experts leaves the key out)."""
+        for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+            value = self.cfg(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"config.json {key}: expected a positive int, got {value!r}")
+            if value < 1:
+                raise ValueError(f"config.json {key}={value}: expected a positive int (a model without shared "
+                                 f"experts leaves the key out or null)")
+            return value, key
+        return None
+
     def num_layers(self) -> int | None:
+        """config.json num_hidden_layers (None when absent or not an int); ValueError outside 1..MAX_LAYERS."""
         n = self.cfg("num_hidden_layers")
-        return int(n) if isinstance(n, int) else None
+        if not isinstance(n, int):
+            return None
+        if not 1 <= n <= MAX_LAYERS:
+            raise ValueError(f"config.json num_hidden_layers={n}: expected 1 to {MAX_LAYERS} layers")
+        return int(n)
+
+    def layers_found(self) -> dict[int, str]:
+        """layer index -> the first tensor name under that layer's block prefix."""
+        if self._layers is None:
+            rx = re.compile(re.escape(self.scheme.block).replace(r"\{layer\}", r"(\d+)") + r"\.")
+            self._layers = {}
+            for name in self.index.names():
+                if m := rx.match(name):
+                    self._layers.setdefault(int(m.group(1)), name)
+        return self._layers
 
     def check_layer(self, layer) -> None:
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
@@ -95,9 +132,11 @@ class Checkpoint:
     def moe_layers(self) -> list[int]:
         n = self.num_layers()
         if n is None:
-            rx = re.compile(re.escape(self.scheme.block).replace(r"\{layer\}", r"(\d+)") + r"\.")
-            found = {int(m.group(1)) for name in self.index.names() if (m := rx.match(name))}
+            found = self.layers_found()
             n = max(found) + 1 if found else 0
+            if n > MAX_LAYERS:
+                raise ValueError(f"tensor '{found[n - 1]}' (in {self.index.source}) is of layer {n - 1}, beyond the "
+                                 f"limit of {MAX_LAYERS} layers (config.json has no num_hidden_layers)")
         return [i for i in range(n) if self.dense_reason(i) is None]
 
     def experts_found(self, layer: int) -> dict[int, set]:
@@ -114,6 +153,8 @@ class Checkpoint:
         found = self.experts_found(layer)
         e, key = self.cfg_size(self.scheme.num_experts_key)
         if isinstance(e, int) and not isinstance(e, bool):
+            if not 1 <= e <= MAX_EXPERTS:
+                raise ValueError(f"config.json {key}={e}: expected 1 to {MAX_EXPERTS} experts")
             extra = sorted(i for i in found if i >= e)
             if extra:
                 mod = self.scheme.expert_module(layer, extra[0], self.scheme.gate_proj)
@@ -124,7 +165,12 @@ class Checkpoint:
             raise ValueError(f"layer {layer}: no routed expert tensors named like "
                              f"'{self.scheme.expert_module(layer, 0, self.scheme.gate_proj)}.*' "
                              f"(in {self.index.source})")
-        return max(found) + 1
+        last = max(found)
+        if last >= MAX_EXPERTS:
+            mod = self.scheme.expert_module(layer, last, next(iter(found[last])))
+            raise ValueError(f"tensor '{mod}.*' (in {self.index.source}) is of expert {last}, beyond the limit of "
+                             f"{MAX_EXPERTS} experts")
+        return last + 1
 
     # ----------------------------------------------------------- modules
     def tensor(self, name: str):

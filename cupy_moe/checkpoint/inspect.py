@@ -13,23 +13,23 @@ _ROLES = ("experts", "router", "shared", "other")
 
 
 class _Problems:
-    """Problems grouped by what is wrong, each reported once with the number of tensors it affects."""
+    """Problems grouped by what is wrong, each reported once with the number of tensors (or layers) it affects."""
 
     def __init__(self):
-        self._groups: dict[str, list] = {}
+        self._groups: dict[str, tuple] = {}
 
-    def add(self, problem: str, tensor: str | None = None):
-        self._groups.setdefault(problem, [])
+    def add(self, problem: str, tensor: str | None = None, noun: str = "tensor"):
+        items = self._groups.setdefault(problem, (noun, []))[1]
         if tensor is not None:
-            self._groups[problem].append(tensor)
+            items.append(tensor)
 
     def lines(self) -> list[str]:
         out = []
-        for problem, tensors in self._groups.items():
-            if len(tensors) == 1:
-                out.append(f"{problem} (tensor '{tensors[0]}')")
-            elif tensors:
-                out.append(f"{problem} ({len(tensors)} tensors, e.g. '{tensors[0]}')")
+        for problem, (noun, items) in self._groups.items():
+            if len(items) == 1:
+                out.append(f"{problem} ({noun} '{items[0]}')")
+            elif items:
+                out.append(f"{problem} ({len(items)} {noun}s, e.g. '{items[0]}')")
             else:
                 out.append(problem)
         return out
@@ -76,13 +76,16 @@ def _moe_layer(ckpt: Checkpoint, layer: int, broken: set, problems: _Problems) -
     s, storage = ckpt.scheme, ckpt.quant.base.storage
     found = ckpt.experts_found(layer)
     try:
-        e_count = ckpt.num_experts(layer)
+        experts = range(ckpt.num_experts(layer))
     except ValueError as exc:
         problems.add(str(exc))
-        e_count = max(found) + 1 if found else 0
+        experts = sorted(found)  # only what is there: the count is unusable
     suffixes = [storage.tensor("", role)[1:] for role in ("qweight", "qzeros", "scales", "g_idx")]
     kinds, nbytes = set(), 0
-    for e in range(e_count):
+    if layer not in ckpt.layers_found():
+        problems.add("MoE layers without any tensors", f"{s.block.format(layer=layer)}.*", "layer")
+        experts = ()  # one line for the layer, not one per missing expert
+    for e in experts:
         for p in (s.gate_proj, s.up_proj, s.down_proj):
             mod = s.expert_module(layer, e, p)
             kind = None
@@ -106,9 +109,16 @@ def _moe_layer(ckpt: Checkpoint, layer: int, broken: set, problems: _Problems) -
             shared_storage = storage.method
         elif mod + ".weight" in ckpt.index.weight_map:
             shared_storage = "dense"
-        if shared_storage:
-            n_shared = ckpt.cfg("n_shared_experts")  # DeepSeek: n experts merged into one module
-            shared = n_shared if isinstance(n_shared, int) and n_shared > 0 else 1
+        try:
+            sized = ckpt.shared_config()
+        except (TypeError, ValueError) as exc:
+            problems.add(str(exc))
+            sized = None
+        if sized is not None and not shared_storage:
+            problems.add(f"config.json {sized[1]}={sized[0]} describes a shared expert, but a layer has none",
+                         storage.tensor(mod, "qweight"))
+        if shared_storage:  # DeepSeek: n_shared_experts merged into one module
+            shared = sized[0] if sized is not None and sized[1] == "n_shared_experts" else 1
     return {"layer": layer, "kind": "moe", "reason": None, "experts_found": len(found),
             "experts": kinds.pop() if len(kinds) == 1 else ("mixed" if kinds else None), "expert_bytes": nbytes,
             "shared_experts": shared, "shared_storage": shared_storage}
@@ -134,8 +144,9 @@ def inspect_checkpoint(path, *, scheme: NamingScheme | None = None) -> dict:
       layers [{layer, kind ("moe" or "dense"), reason (why dense, else None), experts_found, experts ("gptq",
         "awq", "compressed-tensors", "dense", "mixed" or None), expert_bytes, shared_experts (count),
         shared_storage ("gptq", ..., "dense" or None)}] for every layer in order;
-      problems [str]: each problem once, with the number of tensors it affects (missing or unreadable shards,
-        truncated or corrupt files, missing expert tensors, config/tensor disagreements).
+      problems [str]: each problem once, with the number of tensors (or layers) it affects (missing or unreadable
+        shards, truncated or corrupt files, missing expert tensors, MoE layers without tensors, config/tensor
+        disagreements, expert or layer counts out of range: then the experts or layers found are described).
     A missing folder raises FileNotFoundError, a folder without a quantization config or with unsupported
     quantization settings ValueError, each naming the path and the problem.
     """
@@ -144,8 +155,11 @@ def inspect_checkpoint(path, *, scheme: NamingScheme | None = None) -> dict:
         s, q = ckpt.scheme, ckpt.quant
         files, broken = _files(ckpt, problems)
         tensors = _summary(ckpt, broken, problems)
-        n_layers = ckpt.num_layers()
-        moe = ckpt.moe_layers()
+        try:
+            n_layers, moe = ckpt.num_layers(), ckpt.moe_layers()
+        except ValueError as exc:  # an absurd layer count: describe the layers the tensors have
+            problems.add(str(exc))
+            n_layers, moe = None, [i for i in sorted(ckpt.layers_found()) if ckpt.dense_reason(i) is None]
         dense = {i: ckpt.dense_reason(i) for i in range(n_layers or 0) if ckpt.dense_reason(i)}
         layers = []
         for layer in sorted(set(moe) | set(dense)):

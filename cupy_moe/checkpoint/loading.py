@@ -106,6 +106,8 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
         k = _module_kn(first)[0]
         ns = [_module_kn(m)[1] for m in mods[0]]
         source = f"like expert 0's '{first.name}'"
+    if k < 1 or min(ns) < 1:
+        raise ValueError(f"{label}: expected positive sizes, got K={k}, N={' + '.join(map(str, ns))} ({source})")
     quantized = [m for row in mods for m in row if m.quant is not None]
     dense = [m for row in mods for m in row if m.quant is None]
     if quantized and dense:
@@ -119,7 +121,7 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
             raise ValueError(f"{m.where}: module '{m.name}' is quantized with {m.quant.describe()}, but "
                              f"'{quantized[0].name}' with {quant.describe()}; the experts of {label} must share "
                              f"bits, group_size, sym and format to stack")
-    has_g_idx = has_bias = False
+    g_idx_of, bias_of = {}, {}  # module name -> whether the tensor is present
     for row in mods:
         for m, n in zip(row, ns):
             why = f"K={k}, N={n} {source}"
@@ -152,10 +154,26 @@ def _plan(ckpt: Checkpoint, label: str, modules: list, k: int | None, ns: list |
                             required=fmt.zeros_always or not quant.sym)
                     _expect(ckpt, name("scales"), FLOATS, want["scales"], f"[ceil(K/G), N], {sizes}")
                 if fmt.g_idx:
-                    has_g_idx |= _expect(ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"], f"[K], {sizes}",
-                                         required=False) is not None
-            has_bias |= _expect(ckpt, m.name + ".bias", FLOATS, (n,), f"[N], {why}", required=False) is not None
-    return _Plan(label, mods, k, list(ns), quant, has_g_idx, has_bias)
+                    act_order = m.quant.desc_act and m.quant.group_size != -1  # one group: g_idx changes nothing
+                    need = f"; desc_act=true in {ckpt.quant.source} (act-order) needs it" if act_order else ""
+                    g_idx_of[name("g_idx")] = _expect(ckpt, name("g_idx"), ("I32", "I64"), want["g_idx"],
+                                                      f"[K], {sizes}{need}", required=act_order) is not None
+            bias_of[m.name + ".bias"] = _expect(ckpt, m.name + ".bias", FLOATS, (n,), f"[N], {why}",
+                                                required=False) is not None
+    _all_or_none(ckpt, label, g_idx_of)
+    _all_or_none(ckpt, label, bias_of)
+    return _Plan(label, mods, k, list(ns), quant, any(g_idx_of.values()), any(bias_of.values()))
+
+
+def _all_or_none(ckpt: Checkpoint, label: str, present: dict):
+    """ValueError naming a module whose optional tensor is missing when another module of the stack has it (the
+    stacked layout keeps one for every expert or none, and a default in its place would be silently wrong)."""
+    have = [name for name, ok in present.items() if ok]
+    if have and len(have) < len(present):
+        missing = next(name for name, ok in present.items() if not ok)
+        raise ValueError(f"tensor '{missing}' is missing, but '{have[0]}' exists ({len(have)} of the "
+                         f"{len(present)} modules of {label} have one): the experts of a stacked projection must all "
+                         f"carry it or none (it is in none of {ckpt.index.source})")
 
 
 def _to_fp16(x: np.ndarray, f: SafetensorsFile, name: str) -> np.ndarray:
@@ -405,7 +423,7 @@ class MoELayerWeights:
     top_k A; renormalize: divide the top-k weights by their sum (Mixtral always; others config norm_topk_prob);
     scoring_func: "softmax" or "sigmoid"; routed_scaling_factor: multiplies the routed output (DeepSeek; 1.0
         otherwise); topk_method ("greedy", "group_limited_greedy", "noaux_tc"), n_group, topk_group: DeepSeek
-        group-limited routing; hidden_act: the config's activation ("silu" for every supported family).
+        group-limited routing; hidden_act: the config's activation (always "silu": others are refused).
         Each comes from config.json or, when absent, from the family's transformers default (routing.py).
     All arrays NumPy (device=False) or CuPy (device=True).
     """
@@ -470,19 +488,24 @@ def _load_layer(ckpt: Checkpoint, layer: int, device: bool) -> MoELayerWeights:
     plans = [w13_plan, w2_plan]
     shared_plans = None
     if s.shared_experts is not None:
-        i_cfg = ckpt.cfg("shared_expert_intermediate_size")  # Qwen2-MoE
-        if i_cfg is None and isinstance(ckpt.cfg("n_shared_experts"), int):  # DeepSeek: merged shared experts
-            i_cfg = ckpt.cfg("n_shared_experts") * i
+        sized = ckpt.shared_config()
+        i_cfg, src = None, "from the shared gate tensor"
+        if sized is not None:
+            i_cfg = sized[0] if sized[1] == "shared_expert_intermediate_size" else sized[0] * i  # DeepSeek: merged
+            src = f"from config.json {sized[1]}={sized[0]}"
         down_name = s.shared_experts.format(layer=layer, proj=s.down_proj)
         present = (ckpt.tensor(ckpt.quant.base.storage.tensor(down_name, "qweight"))
                    or ckpt.tensor(down_name + ".weight"))
-        if (i_cfg or 0) > 0 or (i_cfg is None and present):
+        if sized is not None and not present:
+            raise ValueError(f"config.json {sized[1]}={sized[0]} describes a shared expert, but layer {layer} has "
+                             f"none: neither '{ckpt.quant.base.storage.tensor(down_name, 'qweight')}' nor "
+                             f"'{down_name}.weight' is in {ckpt.index.source}")
+        if present:
             gate_up = [[ckpt.module(s.shared_experts.format(layer=layer, proj=p), layer)
                         for p in (s.gate_proj, s.up_proj)]]
             down = [[ckpt.module(down_name, layer)]]
-            src = "from config.json"
             if i_cfg is None:
-                i_cfg, src = _module_kn(gate_up[0][0])[1], "from the shared gate tensor"
+                i_cfg = _module_kn(gate_up[0][0])[1]
             shared_plans = (_plan(ckpt, f"layer {layer} shared gate_up", gate_up, h, [i_cfg, i_cfg], src),
                             _plan(ckpt, f"layer {layer} shared down", down, i_cfg, [h], src))
             plans += list(shared_plans)

@@ -214,6 +214,11 @@ def detect_scheme(config: dict | None, names: Iterable[str], where) -> NamingSch
     """
     blob = "\n".join(names)
     cfg = config or {}
+    model_type, archs = cfg.get("model_type"), cfg.get("architectures")
+    if model_type is not None and not isinstance(model_type, str):
+        raise TypeError(f"{where}: config.json model_type: expected a string, got {model_type!r}")
+    if archs is not None and (not isinstance(archs, list) or not all(isinstance(a, str) for a in archs)):
+        raise TypeError(f"{where}: config.json architectures: expected a list of strings, got {archs!r}")
     family, said = None, None
     if cfg.get("model_type") in _MODEL_TYPES:
         family, said = _MODEL_TYPES[cfg["model_type"]], f"model_type '{cfg['model_type']}'"

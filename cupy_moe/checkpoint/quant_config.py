@@ -64,7 +64,7 @@ _GPTQ_FORMATS = tuple(f.name for f in FORMATS.values() if f.method == "gptq")
 @dataclass(frozen=True)
 class Quant:
     """How one module is quantized. fmt: a FORMATS name: "gptq" (v1 zeros), "gptq_v2" (real zeros), "awq" or
-    "pack-quantized" (compressed-tensors)."""
+    "pack-quantized" (compressed-tensors). desc_act: act-order groups, so every module stores its g_idx."""
     bits: int
     group_size: int
     sym: bool
@@ -129,6 +129,27 @@ def _refuse(source: str, setting: str, why: str):
     raise ValueError(f"{source}: {setting} is not supported: {why}")
 
 
+def _strings(source: str, key: str, value, nested: bool = False) -> list:
+    """A config list of strings (None: []); nested: items may be lists of strings too, flattened (optimum's
+    modules_in_block_to_quantize groups them)."""
+    flat = []
+    if isinstance(value, list):
+        for item in value:
+            flat.extend(item if nested and isinstance(item, list) else [item])
+    if value is not None and (not isinstance(value, list) or not all(isinstance(x, str) for x in flat)):
+        what = "a list of strings or of lists of strings" if nested else "a list of strings"
+        raise TypeError(f"{source}: {key}: expected {what}, got {value!r}")
+    return flat
+
+
+def _regex(source: str, what: str, pattern: str) -> None:
+    """ValueError naming the config entry when `pattern` is not a valid regular expression."""
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"{source}: {what} is not a valid regular expression ({exc})") from None
+
+
 def _check_bits_gs(source: str, bits, group_size, where: str = ""):
     if bits is None:
         raise ValueError(f"{source}: {where}bits: missing (expected 2, 3, 4 or 8)")
@@ -151,7 +172,7 @@ def _parse_awq(raw: dict, source: str) -> QuantConfig:
     if raw.get("zero_point", True) is not True:
         _refuse(source, "AWQ zero_point=false", "only AWQ with zero points (zero_point=true) is supported")
     base = Quant(4, group_size, False, False, "awq")
-    not_convert = tuple(raw.get("modules_to_not_convert") or ())
+    not_convert = tuple(_strings(source, "modules_to_not_convert", raw.get("modules_to_not_convert")))
     return QuantConfig(base, source, (), None, not_convert, raw)
 
 
@@ -185,10 +206,7 @@ def _parse_gptq(raw: dict, source: str) -> QuantConfig:
         raise ValueError(f"{source}: dynamic: expected an object {{pattern: overrides}}, got {dynamic!r}")
     rules = []
     for pattern, overrides in dynamic.items():
-        try:
-            re.compile(pattern[2:] if pattern.startswith(("+:", "-:")) else pattern)
-        except re.error as exc:
-            raise ValueError(f"{source}: dynamic rule {pattern!r} is not a valid regular expression ({exc})") from None
+        _regex(source, f"dynamic rule {pattern!r}", pattern[2:] if pattern.startswith(("+:", "-:")) else pattern)
         overrides = overrides or {}
         if not isinstance(overrides, dict):
             raise ValueError(f"{source}: dynamic rule {pattern!r}: expected an object of overrides, got {overrides!r}")
@@ -202,10 +220,7 @@ def _parse_gptq(raw: dict, source: str) -> QuantConfig:
 
     in_block = raw.get("modules_in_block_to_quantize")
     if in_block is not None:
-        flat = []
-        for item in in_block:
-            flat.extend([item] if isinstance(item, str) else item)
-        in_block = frozenset(flat)
+        in_block = frozenset(_strings(source, "modules_in_block_to_quantize", in_block, nested=True))
     return QuantConfig(base, source, tuple(rules), in_block, (), raw)
 
 
@@ -223,6 +238,8 @@ def _ct_group(source: str, name: str, group: dict, global_fmt) -> Quant:
     if not isinstance(group, dict):
         raise ValueError(f"{source}: {where}: expected an object, got {group!r}")
     fmt = group.get("format") or global_fmt
+    if fmt is not None and not isinstance(fmt, str):
+        raise TypeError(f"{source}: {where} format: expected a string such as 'pack-quantized', got {fmt!r}")
     if fmt != "pack-quantized":
         _refuse(source, f"{where} format={fmt!r}", f"{_CT_OTHER_FORMATS.get(fmt, 'an unknown format')}; cupy_moe "
                 "runs compressed-tensors 'pack-quantized' int weights with float activations (W4A16, W8A16)")
@@ -255,7 +272,9 @@ def _ct_group(source: str, name: str, group: dict, global_fmt) -> Quant:
     actorder = w.get("actorder")
     if actorder not in (None, False, True, "group", "weight", "static", "dynamic"):
         _refuse(source, f"{where} weights.actorder={actorder!r}", "expected null, 'group', 'weight' or 'static'")
-    return Quant(bits, group_size, sym, actorder not in (None, False), "pack-quantized")
+    # desc_act: groups follow a stored weight_g_idx, which only actorder "group" (True) writes; "weight" and
+    # "static" reorder the columns while quantizing but keep the groups contiguous (k // G, no g_idx).
+    return Quant(bits, group_size, sym, actorder in (True, "group"), "pack-quantized")
 
 
 def _ct_pattern(target: str) -> str | None:
@@ -282,20 +301,25 @@ def _parse_compressed_tensors(raw: dict, source: str) -> QuantConfig:
         raise ValueError(f"{source}: config_groups: expected an object of quantization groups, got {groups!r}")
     global_fmt = raw.get("format")
     rules, labels, base = [], {}, None
-    for entry in raw.get("ignore") or ():
-        pattern = "-:" + _ct_pattern(str(entry)) if entry != "Linear" else "-:.*"
+    for entry in _strings(source, "ignore", raw.get("ignore")):
+        pattern = "-:" + _ct_pattern(entry) if entry != "Linear" else "-:.*"
+        _regex(source, f"ignore entry {entry!r}", pattern[2:])
         rules.append((pattern, {}))
         labels[pattern] = f"ignore entry '{entry}' in {source}"
     quants = {}
     for name, group in groups.items():
         quants[name] = q = _ct_group(source, name, group, global_fmt)
-        targets = group.get("targets") or ()
-        for target in targets:
+        targets = group.get("targets")
+        if targets is not None and not isinstance(targets, list):
+            raise TypeError(f"{source}: config_groups['{name}'] targets: expected a list of strings, got {targets!r}")
+        for target in targets or ():
             if not isinstance(target, str) or (target != "Linear" and not target.startswith("re:")
                                                and "." not in target):
                 raise ValueError(f"{source}: config_groups['{name}'] targets {target!r}: cannot be mapped to tensor "
                                  f"names (expected 'Linear', 're:<regex>' or a module name)")
             pattern = _ct_pattern(target)
+            if pattern is not None:
+                _regex(source, f"config_groups['{name}'] target {target!r}", pattern)
             if pattern is None:
                 if base is not None:
                     raise ValueError(f"{source}: config_groups['{name}'] targets 'Linear', as another group does: "

@@ -35,6 +35,7 @@ _GENERIC = dict(renormalize=False, scoring_func="softmax", topk_method="greedy",
 _KEYS = {"renormalize": "norm_topk_prob", "scoring_func": "scoring_func", "topk_method": "topk_method",
          "routed_scaling_factor": "routed_scaling_factor", "n_group": "n_group", "topk_group": "topk_group"}
 _METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+_RSF_MAX = 65504.0  # largest float16: a larger routed_scaling_factor overflows float16 activations
 
 
 def describe_source(source: str, key: str | None, family: str) -> str:
@@ -103,8 +104,11 @@ def check(out: dict, family: str, num_experts: int | None):
     if not isinstance(out["renormalize"][0], bool):
         bad("renormalize", "true or false")
     rsf = out["routed_scaling_factor"][0]
-    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not rsf > 0:
-        bad("routed_scaling_factor", "a positive number")
+    if isinstance(rsf, bool) or not isinstance(rsf, (int, float)) or not 0 < rsf <= _RSF_MAX:
+        bad("routed_scaling_factor", f"a positive finite number, at most {_RSF_MAX:g} (the largest float16: a "
+            f"larger factor overflows float16 activations)")
+    if out["hidden_act"][0] != "silu":
+        bad("hidden_act", "'silu' (the expert kernels compute SiLU(gate) * up)")
     if out["topk_method"][0] == "greedy":
         return
     n_group, topk_group = out["n_group"][0], out["topk_group"][0]
@@ -115,3 +119,6 @@ def check(out: dict, family: str, num_experts: int | None):
         bad("topk_group", f"at most n_group={n_group}")
     if num_experts is not None and num_experts % n_group:
         bad("n_group", f"a divisor of the E={num_experts} experts")
+    if num_experts is not None and out["topk_method"][0] == "noaux_tc" and num_experts // n_group < 2:
+        bad("n_group", f"at most E/2 = {num_experts // 2} (topk_method 'noaux_tc' scores a group by the sum of its "
+            f"two best experts, so each group of the E={num_experts} experts needs at least 2)")

@@ -167,6 +167,10 @@ class TensorIndex:
             if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
                 raise ValueError(f"{index.name}: expected {{'weight_map': {{tensor name: file name}}}}, "
                                  f"got {str(data)[:200]}")
+            for name, fname in weight_map.items():
+                if fname in ("", ".", "..") or Path(fname).name != fname or "\\" in fname:
+                    raise ValueError(f"{index.name}: weight_map['{name}'] = {fname!r}: expected the name of a file "
+                                     f"in the checkpoint folder (no directory part)")
             self.source = index.name
             self.weight_map = dict(weight_map)
             return
@@ -224,9 +228,16 @@ class TensorIndex:
 
 
 def read_json(path: Path):
+    """The parsed JSON file; ValueError naming the file when it is not a readable JSON document."""
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
+    except IsADirectoryError:
+        raise ValueError(f"{path}: expected a JSON file, got a directory") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: expected UTF-8 JSON text, got undecodable bytes ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON for this reader: nested too deeply") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "KERNEL_FILES", "TEMPLATES", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "HOPPER_SHAPES",
            "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_WK", "PREFILL", "PREFILL_128",
-           "SWAPPED_32", "MAX_SPLIT", "fallback", "max_split_k", "all_name_expressions"]
+           "SWAPPED_32", "MAX_SPLIT", "warps_k_choices", "fallback", "max_split_k", "all_name_expressions"]
 
 # The CUDA source of each kind (kernels/<file>), and the template each kind instantiates.
 KERNEL_FILES = {"reg": "moe_gemm_decode.cu", "tc": "moe_gemm_prefill.cu", "swapped": "moe_gemm_swapped.cu"}
@@ -198,6 +198,12 @@ SPLIT_WARPS_SHAPES = {16: DECODE_WK}
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side)
 SWAPPED_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="swapped")  # 32 x 256, 6 x 32 k
 HOPPER_SHAPES = {32: SWAPPED_32}
+
+
+def warps_k_choices(block_m: int | None) -> tuple[int, ...]:
+    """The warps_k a block size's shapes have: 1, and the warps-along-K shape's where there is one."""
+    alt = SPLIT_WARPS_SHAPES.get(block_m)
+    return (1,) if alt is None else (1, alt.warps_k)
 
 
 def fallback(cfg: GemmConfig, *, act_order: bool, hopper: bool, pair_a: bool = False) -> GemmConfig:

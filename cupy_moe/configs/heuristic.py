@@ -11,8 +11,9 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
 4. A split 16-row pick becomes DECODE_WK, one CTA per column strip, where its warps' slices are at most
    WARPS_K_EXTRA_STAGES stages longer than the split's; except a 2-way split whose grid fits one wave with at most
    8 rows per expert (the swapped path), which stays 16 x 128.
-5. An entry of the GPU's tuned table (tuned.py) for the problem gives block_m and split_k in place of rules 1-3;
-   rule 4 still applies to it. A `block_m` passed in skips rules 1 and 3 (and an entry of another block size).
+5. An entry of the GPU's tuned table (tuned.py) for the problem gives block_m and split_k in place of rules 1-3,
+   and warps_k in place of rule 4 where it has one (rule 4 applies to entries without). A `block_m` passed in skips
+   rules 1 and 3 (and an entry of another block size).
 6. The shape runs where its kernel has a variant (`catalogue.fallback`): act-order at a tc block size runs the
    act-order shape, a swapped shape off sm_90a, with act-order or with pair-ordered activations the portable one.
 
@@ -26,12 +27,12 @@ import math
 from dataclasses import replace
 
 from .catalogue import (HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig,
-                        fallback, max_split_k)
+                        fallback, max_split_k, warps_k_choices)
 from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
-__all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order", "ROWS_16_MAX", "ROWS_64_MAX",
-           "SPLIT_FILL_STAGES", "FULL_WAVE", "WARPS_K_EXTRA_STAGES"]
+__all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order",
+           "ROWS_16_MAX", "ROWS_64_MAX", "SPLIT_FILL_STAGES", "FULL_WAVE", "WARPS_K_EXTRA_STAGES"]
 
 # Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
 # (Mixtral-8x22B gate/up M = 64: 421 against 498 us); at 32 rows the 64-row tile beat it too (Qwen2-57B-A14B gate/up
@@ -125,7 +126,7 @@ def split_k_estimate(shape: GemmConfig, m: int, e: int, a: int, k: int, n: int, 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int, block_m: int | None = None,
                   *, act_order: bool = False, pair_a: bool = False, gpu: GpuInfo | None = None,
-                  split_k: int | None = None, tuned: bool = True) -> GemmConfig:
+                  split_k: int | None = None, warps_k: int | None = None, tuned: bool = True) -> GemmConfig:
     """The configuration one GEMM phase launches: pass it to fused_moe_gemm(..., config=) and align with its
     block_m (`moe_align_block_size(topk_ids, config.block_m, E)`).
 
@@ -134,8 +135,10 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     block_m: the align block size already used (16, 32, 64 or 128); None = rules 1 and 3 or the tuned table.
     act_order: the weights carry g_idx. pair_a: the activations are in pair order (fused_moe_gemm's a_pair_order).
     gpu: the target (`GpuInfo`); None = the current device (a RuntimeError without a GPU).
-    split_k: force the K split of the block size's shape (with block_m; rule 2 skipped, rules 4-6 apply): how `tune`
-    names its candidates. tuned: False ignores the tuned table (the rules alone).
+    split_k: force the K split of the block size's shape (with block_m; rule 2 skipped, rules 4-6 apply).
+    warps_k: with split_k, also settle rule 4: 1 keeps the plain split, the warps-along-K shape's warps_k
+    (SPLIT_WARPS_SHAPES, 16-row blocks) runs that shape with split_k CTAs per tile; None lets rule 4 decide. How
+    `tune` names its candidates. tuned: False ignores the tuned table (the rules alone).
     """
     if gpu is None:
         gpu = gpu_info()
@@ -147,18 +150,24 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
                                 or not 1 <= split_k <= MAX_SPLIT):
         raise ValueError(f"split_k: expected an int in [1, {MAX_SPLIT}] with a block_m, or None, got "
                          f"split_k={split_k!r}, block_m={block_m!r}")
+    if warps_k is not None and (split_k is None or warps_k not in warps_k_choices(block_m)):
+        raise ValueError(f"warps_k: expected one of {warps_k_choices(block_m)} with a split_k, or None, got "
+                         f"warps_k={warps_k!r}, split_k={split_k!r}, block_m={block_m!r}")
     problem = _Problem(m, e, a, n, gpu)
     entry = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a) if tuned and split_k is None else None
     if block_m is None:
         block_m = entry[0] if entry is not None else _block_size(problem, k)
     base = problem.shape(block_m)
     if split_k is not None:
-        split = split_k
+        split, wk = split_k, warps_k
     elif entry is not None and entry[0] == block_m:
-        split = entry[1]
+        split, wk = entry[1], entry[2]
     else:
-        split = problem.split(base, k, act_order)
-    cfg = problem.warps_along_k(replace(base, split_k=split), k, act_order)
+        split, wk = problem.split(base, k, act_order), None
+    if wk is None:  # rule 4
+        cfg = problem.warps_along_k(replace(base, split_k=split), k, act_order)
+    else:
+        cfg = replace(base if wk == 1 else SPLIT_WARPS_SHAPES[block_m], split_k=split)
     return fallback(cfg, act_order=act_order, hopper=gpu.hopper, pair_a=pair_a)
 
 

@@ -3,11 +3,12 @@
 A table is one file named after the GPU (`table_file_name`: "NVIDIA H200" -> `NVIDIA_H200.json`):
 
     {"gpu": "NVIDIA H200",
-     "entries": {"E8_K4096_N28672_b4_G128_P2": {"block_m": 16, "split_k": 1, "time_us": 35.2}, ...}}
+     "entries": {"E8_K4096_N28672_b4_G128_P2": {"block_m": 16, "split_k": 2, "warps_k": 1, "time_us": 35.2}, ...}}
 
-Keys are `tuning_key(E, K, N, bits, G, P)` with P = M * A pairs bucketed to powers of two; `block_m` and `split_k`
-are what `choose_config` uses (its rules still pick the launched shape of that block size, see heuristic.py);
-`time_us` is the measured time, for people. Two places hold tables:
+Keys are `tuning_key(E, K, N, bits, G, P)` with P = M * A pairs bucketed to powers of two; `block_m`, `split_k` and
+the optional `warps_k` are what `choose_config` uses (warps_k 1: the block size's plain shape, split_k ways; the
+warps-along-K shape's warps_k: that shape; absent: the heuristic's rule 4 decides, see heuristic.py); `time_us` is
+the measured time, for people. Two places hold tables:
 
 - shipped with the package: `cupy_moe/configs/tuned/<file>` (`shipped_dir()`);
 - the user's cache: `$CUPY_MOE_CACHE_DIR`, else `$XDG_CACHE_HOME/cupy_moe`, else `~/.cache/cupy_moe`
@@ -26,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from .catalogue import MAX_SPLIT, SUPPORTED_BLOCK_M
+from .catalogue import MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, warps_k_choices
 
 __all__ = ["tuning_key", "table_file_name", "shipped_dir", "user_dir", "read_table", "load_table", "tuned_table",
            "tuned_entry", "save_tuned"]
@@ -59,18 +60,24 @@ def user_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cupy_moe"
 
 
+# what `_valid` asks of an entry, for the messages that refuse one
+_ENTRY_RULE = (f"a block_m of {SUPPORTED_BLOCK_M}, a split_k in [1, {MAX_SPLIT}] and, if given, a warps_k of 1 or "
+               "the warps-along-K shape's ("
+               + ", ".join(f"{s.warps_k} for block_m {b}" for b, s in SPLIT_WARPS_SHAPES.items()) + ")")
+
+
 def _valid(entry) -> bool:
     try:
-        block_m, split_k = entry["block_m"], entry["split_k"]
-    except (KeyError, TypeError):
+        block_m, split_k, warps_k = entry["block_m"], entry["split_k"], entry.get("warps_k", 1)
+    except (KeyError, TypeError, AttributeError):
         return False
     return (isinstance(block_m, int) and isinstance(split_k, int) and block_m in SUPPORTED_BLOCK_M
-            and 1 <= split_k <= MAX_SPLIT)
+            and 1 <= split_k <= MAX_SPLIT and warps_k in warps_k_choices(block_m))
 
 
 def read_table(path: Path, gpu: str) -> dict:
     """The entries of one table file ({} when it does not exist). A file that is not a table of `gpu` is ignored
-    with a warning, and so is each entry without a supported block_m and split_k."""
+    with a warning, and so is each entry without a supported block_m, split_k and warps_k."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -86,8 +93,8 @@ def read_table(path: Path, gpu: str) -> dict:
     entries = {key: value for key, value in data["entries"].items() if _valid(value)}
     if len(entries) < len(data["entries"]):
         bad = sorted(set(data["entries"]) - set(entries))
-        warnings.warn(f"cupy_moe: ignoring {len(bad)} entries of {path} without a block_m of {SUPPORTED_BLOCK_M} and "
-                      f"a split_k in [1, {MAX_SPLIT}]: {bad[:3]}", stacklevel=2)
+        warnings.warn(f"cupy_moe: ignoring {len(bad)} entries of {path} without {_ENTRY_RULE}: {bad[:3]}",
+                      stacklevel=2)
     return entries
 
 
@@ -113,20 +120,19 @@ def tuned_table(gpu: str) -> Mapping:
 
 
 def tuned_entry(gpu: str, e: int, k: int, n: int, bits: int, group_size: int, pairs: int):
-    """(block_m, split_k) of `gpu`'s entry for this problem, or None."""
+    """(block_m, split_k, warps_k or None) of `gpu`'s entry for this problem, or None."""
     if pairs <= 0:
         return None
     entry = tuned_table(gpu).get(tuning_key(e, k, n, bits, group_size, pairs))
-    return None if entry is None else (entry["block_m"], entry["split_k"])
+    return None if entry is None else (entry["block_m"], entry["split_k"], entry.get("warps_k"))
 
 
 def save_tuned(gpu: str, entries: Mapping, directory=None) -> Path:
-    """Merge {tuning_key: {"block_m", "split_k", "time_us"}} into `gpu`'s table in `directory` (default:
+    """Merge {tuning_key: {"block_m", "split_k", ["warps_k",] "time_us"}} into `gpu`'s table in `directory` (default:
     user_dir()); returns the file's path. `choose_config` sees the new entries from then on."""
     bad = sorted(key for key, value in entries.items() if not _valid(value))
     if bad:
-        raise ValueError(f"entries: expected a block_m of {SUPPORTED_BLOCK_M} and a split_k in [1, {MAX_SPLIT}] in "
-                         f"each, got {bad[:3]}: {[entries[key] for key in bad[:3]]}")
+        raise ValueError(f"entries: expected {_ENTRY_RULE} in each, got {bad[:3]}: {[entries[key] for key in bad[:3]]}")
     path = Path(user_dir() if directory is None else directory) / table_file_name(gpu)
     merged = dict(read_table(path, gpu))
     merged.update({key: dict(value) for key, value in entries.items()})
