@@ -41,6 +41,28 @@ __device__ __forceinline__ void argmax_step(float& v, int& i, float ov, int oi) 
   if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
 
+// The warp's best (v, i) by a fixed butterfly: every lane ends with the same pair (bitwise reproducible).
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+}
+
+// Takes the best of a warp's row of E values in shared memory (lane l holds entries l, l + 32, ...): returns its
+// value, sets `id` (every lane) and marks it taken (-inf) so that the next call finds the next best. A row of NaN
+// finds none: id 0, so that ids and every access stay in range.
+__device__ __forceinline__ float take_best(float* row_e, int E, int lane, int& id) {
+  float v = neg_inf();
+  int i = 0x7fffffff;
+  for (int e = lane; e < E; e += 32) argmax_step(v, i, row_e[e], e);
+  warp_argmax(v, i);
+  if (i >= E) i = 0;
+  __syncwarp();
+  if (lane == (i & 31)) row_e[i] = neg_inf();
+  __syncwarp();
+  id = i;
+  return v;
+}
+
 }  // namespace
 
 // One warp per token. Probabilities live in shared memory ([WARPS, E] floats), so E <= 1024 fits in
@@ -71,17 +93,10 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
   float w_slot = 0.f;  // lane s keeps the weight of slot s (A <= 32 is checked by the launcher)
   int id_slot = 0;
   for (int s = 0; s < A; ++s) {
-    float v = neg_inf();
-    int i = 0x7fffffff;
-    for (int e = lane; e < E; e += 32) argmax_step(v, i, p_e[e], e);
-    for (int o = 16; o > 0; o >>= 1)
-      argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
-    if (i >= E) i = 0;  // only a row of NaN probabilities finds none: keep the expert id (and every access) in range
+    int i;
+    const float v = take_best(p_e, E, lane, i);
     if (lane == s) { w_slot = v; id_slot = i; }
     picked += v;
-    __syncwarp();
-    if (lane == (i & 31)) p_e[i] = neg_inf();  // taken: never chosen again
-    __syncwarp();
   }
   if (lane < A) {
     weights_ma[static_cast<long long>(m) * A + lane] = renormalize ? w_slot / picked : w_slot;
@@ -143,8 +158,7 @@ __global__ void route_experts(const float* __restrict__ logits_me, float* __rest
     for (int s = 0; s < topk_group; ++s) {  // a group taken scores -inf from then on, as in the NumPy definition
       float v = (kept >> lane) & 1u ? neg_inf() : gs;
       int i = lane;
-      for (int o = 16; o > 0; o >>= 1)
-        argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+      warp_argmax(v, i);
       kept |= 1u << i;
     }
     for (int e = lane; e < E; e += 32)
@@ -154,16 +168,9 @@ __global__ void route_experts(const float* __restrict__ logits_me, float* __rest
 
   int id_slot = 0;  // lane s keeps the expert of slot s (A <= 32 is checked by the launcher)
   for (int s = 0; s < A; ++s) {
-    float v = neg_inf();
-    int i = 0x7fffffff;
-    for (int e = lane; e < E; e += 32) argmax_step(v, i, c_e[e], e);
-    for (int o = 16; o > 0; o >>= 1)
-      argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
-    if (i >= E) i = 0;  // only a row of NaN choices finds none: keep the expert id (and every access) in range
+    int i;
+    take_best(c_e, E, lane, i);
     if (lane == s) id_slot = i;
-    __syncwarp();
-    if (lane == (i & 31)) c_e[i] = neg_inf();  // taken: never chosen again
-    __syncwarp();
   }
   float w = lane < A ? score(id_slot) : 0.f;
   if (renormalize) {
