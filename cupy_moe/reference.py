@@ -211,6 +211,12 @@ def _check_g_idx(g_idx, k, num_groups):
     return g_idx.astype(np.int64)
 
 
+# GPTQ v1 stores zero - 1, as GPTQModel exports it: for 2, 4 and 8 bits one subtraction per 32-bit word of this
+# constant (a real zero of 0 borrows from the next field), so the real zeros are the word plus one in every field,
+# carries included; 3-bit fields, which straddle words, are shifted one by one.
+_V1_ONES = {2: 0x55555555, 4: 0x11111111, 8: 0x01010101}
+
+
 def dequantize(qweight, scales, qzeros=None, g_idx=None, *, bits, group_size, checkpoint_format="gptq"):
     """Dequantize one GPTQ Linear to float32 W [K, N] (y = x @ W).
 
@@ -219,7 +225,8 @@ def dequantize(qweight, scales, qzeros=None, g_idx=None, *, bits, group_size, ch
     qzeros: int32 [R, N*bits/32] stored zero points packed along N, or None for symmetric (zero = 2**(bits-1)).
     g_idx: int [K] group of each row k (act-order: non-monotone), or None for k // G.
     bits: 2, 3, 4 or 8. group_size: G, or -1 for one group of all K rows.
-    checkpoint_format: "gptq" (v1: real zero = (stored + 1) & (2**bits - 1)) or "gptq_v2" (real zero = stored).
+    checkpoint_format: "gptq" (v1: the real zeros are each stored word plus one in every field, carries included,
+        for 2/4/8 bits, and (stored + 1) & (2**bits - 1) per field for 3 bits) or "gptq_v2" (real zero = stored).
     Returns float32 [K, N] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n]); the product of an fp16 scale and
     a small integer is exact in float32.
     """
@@ -242,9 +249,13 @@ def dequantize(qweight, scales, qzeros=None, g_idx=None, *, bits, group_size, ch
         if qzeros.shape != (num_groups, n * bits // 32) or (n * bits) % 32:
             raise ValueError(f"qzeros: expected shape ({num_groups}, {n * bits / 32:g}) = [ceil(K/G), N*bits/32] "
                              f"(N a multiple of {_unit(bits)[0]}), got {qzeros.shape}")
-        zeros = unpack_cols(qzeros, bits).astype(np.int64)  # [R, N]
-        if checkpoint_format == "gptq":
-            zeros = (zeros + 1) & mask  # v1 stores zero - 1
+        if checkpoint_format == "gptq" and bits in _V1_ONES:  # v1 stores zero - 1, word by word
+            words = (qzeros.astype(np.int64) % (1 << 32) + _V1_ONES[bits]) % (1 << 32)
+            zeros = unpack_cols(words.astype(np.uint32).view(np.int32), bits).astype(np.int64)  # [R, N]
+        else:
+            zeros = unpack_cols(qzeros, bits).astype(np.int64)  # [R, N]
+            if checkpoint_format == "gptq":  # 3 bits: field by field
+                zeros = (zeros + 1) & mask
     if g_idx is None:
         groups = np.arange(k) // glen  # [K]
     else:
@@ -553,7 +564,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, block_size=16):
     w13: StackedGptqWeight (host), K = H, N = 2I, gate columns [:I] then up columns [I:].
     w2: StackedGptqWeight (host), K = I, N = H.
     topk_weights: float [M, A]; topk_ids: int [M, A] (from select_experts). block_size: B of the alignment.
-    Roundings (the GPU path mirrors exactly these), dtype = hidden_states.dtype:
+    Roundings (the GPU path rounds at the same points; its weights are fp16/bf16 and its sums run in another
+    order, within tests/tolerances.py), dtype = hidden_states.dtype:
         x1 = gemm(hidden, w13, top_k=A) -> dtype [P, 2I]
         act = silu(x1[:, :I]) * x1[:, I:] in float32 -> dtype [P, I]
         x2 = gemm(act, w2, top_k=1, topk_weights) -> dtype [P, H]

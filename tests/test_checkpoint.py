@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,24 @@ def test_bf16_and_fp32_scales_and_dense(ckpt, scales_dtype, eps):
     np.testing.assert_array_equal(layer.shared.gate_up[0], np.concatenate(
         [w["model.layers.0.mlp.shared_expert.gate_proj"], w["model.layers.0.mlp.shared_expert.up_proj"]], 1))
     np.testing.assert_array_equal(layer.shared.down[0], w["model.layers.0.mlp.shared_expert.down_proj"])
+
+
+def test_scales_that_become_float16_subnormals_warn_once(ckpt):
+    """float32 scales below 2**-14 lose bits in the float16 stacked layout: one warning per file, naming the
+    smallest scale and a tensor."""
+    folder, _ = ckpt(family="mixtral", scales_dtype="float32")
+    name = "model.layers.0.block_sparse_moe.experts.1.w1.scales"
+    with safe_open(str(folder / "model.safetensors"), "numpy") as f:
+        scales = f.get_tensor(name).copy()
+    scales[0, :3] = [3e-6, 5e-7, 1e-9]
+    edit_checkpoint(folder, replace={name: scales})
+    with pytest.warns(UserWarning, match=r"model\.safetensors: scales below 2\*\*-14 \(the smallest 1e-09, in "
+                                         r"tensor '.*experts\.1\.w1\.scales'\) keep fewer bits as float16 subnormals"):
+        layer = load_layer_weights(folder, 0, device=False)
+    assert layer.w13.scales[1, 0, 0] == np.float16(3e-6) and layer.w13.scales[1, 0, 2] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same file again: no second warning
+        load_layer_weights(folder, 0, device=False)
 
 
 def test_zero_bias_ignored_and_nonzero_bias_kept(ckpt):

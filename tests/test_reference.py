@@ -196,6 +196,34 @@ def direct_dequant(qweight, scales, zeros_real, g_idx, bits):
     return w
 
 
+def v1_real_zeros(stored, bits):
+    """The real zeros of v1 stored fields [R, N] (docs/gptq_layout.md): each packed word read as a number plus one
+    in every field, mod 2**32 (a field holding 2**bits - 1 carries into the next), for 2/4/8 bits; 3-bit fields
+    one by one, (stored + 1) mod 2**bits."""
+    mask = (1 << bits) - 1
+    if bits == 3:
+        return (stored + 1) & mask
+    per = 32 // bits
+    words = [int(sum(int(v) << (bits * j) for j, v in enumerate(row[c:c + per]))) for row in stored
+             for c in range(0, len(row), per)]
+    ones = sum(1 << (bits * j) for j in range(per))
+    out = [((w + ones) % 2**32 >> (bits * j)) & mask for w in words for j in range(per)]
+    return np.array(out).reshape(stored.shape)
+
+
+def test_v1_zero_of_zero_borrows_and_decodes_exactly():
+    """GPTQModel exports real zeros [9, 5, 0, 7, 3, 12, 4, 11] (word 0xB4C37059) as 0xB4C37059 - 0x11111111 =
+    0xA3B25F48: the 0 borrows from the 7. Decoding adds 0x11111111 back, so every column keeps its zero (field by
+    field, (stored + 1) & 15, would read column 3's zero as 6)."""
+    real = np.array([[9, 5, 0, 7, 3, 12, 4, 11]])
+    assert int(ref.pack_cols(real, 4)[0, 0]) % 2**32 == 0xB4C37059
+    stored = np.array([[0xA3B25F48 - 2**32]], np.int32)
+    np.testing.assert_array_equal(v1_real_zeros(ref.unpack_cols(stored, 4), 4), real)
+    q = np.full((8, 8), 5)
+    w = ref.dequantize(ref.pack_rows(q, 4), np.ones((1, 8), np.float16), stored, bits=4, group_size=-1)
+    np.testing.assert_array_equal(w[0], 5 - real[0])
+
+
 @given(st.sampled_from(BITS), st.sampled_from(["gptq", "gptq_v2", None]), st.booleans(),
        st.sampled_from([16, 24, -1]), st.integers(0, 2**32 - 1))
 def test_dequantize_matches_direct_formula(bits, fmt, act_order, group_size, seed):
@@ -210,8 +238,7 @@ def test_dequantize_matches_direct_formula(bits, fmt, act_order, group_size, see
     qzeros = None if fmt is None else ref.pack_cols(stored, bits)
     w = ref.dequantize(ref.pack_rows(q, bits), scales, qzeros, g_idx, bits=bits, group_size=group_size,
                        checkpoint_format=fmt or "gptq")
-    mask = (1 << bits) - 1
-    real = {None: np.full((groups, n), 1 << (bits - 1)), "gptq": (stored + 1) & mask, "gptq_v2": stored}[fmt]
+    real = {None: np.full((groups, n), 1 << (bits - 1)), "gptq": v1_real_zeros(stored, bits), "gptq_v2": stored}[fmt]
     gi = np.arange(k) // glen if g_idx is None else g_idx
     expected = direct_dequant(ref.pack_rows(q, bits), scales, real, gi, bits)
     assert w.dtype == np.float32
@@ -336,7 +363,7 @@ def test_quantize_sym_nonnegative_group_quirk():
 
 @given(st.sampled_from(BITS), st.booleans(), st.integers(0, 2**32 - 1))
 def test_quantize_v1_and_v2_describe_the_same_weights(bits, sym, seed):
-    # Re-express the zeros in the other convention (v1 stored = (real - 1) & mask) and dequantize again.
+    # Re-express the zeros in the other convention (v1: GPTQModel's export, word by word) and dequantize again.
     rng = np.random.default_rng(seed)
     k, n = 2 * unit(bits), unit(bits)
     w = rng.standard_normal((k, n)).astype(np.float16)
@@ -345,9 +372,13 @@ def test_quantize_v1_and_v2_describe_the_same_weights(bits, sym, seed):
     stored = ref.unpack_cols(quant.qzeros, bits)
     mask = (1 << bits) - 1
     if quant.checkpoint_format == "gptq":
-        other, fmt = ref.pack_cols((stored + 1) & mask, bits), "gptq_v2"
-    else:
+        other, fmt = ref.pack_cols(v1_real_zeros(stored, bits), bits), "gptq_v2"
+    elif bits == 3:
         other, fmt = ref.pack_cols((stored - 1) & mask, bits), "gptq"
+    else:  # one subtraction per word of the constant with 1 in every field
+        ones = sum(1 << j for j in range(0, 32, bits))
+        words = (quant.qzeros.astype(np.int64) % 2**32 - ones) % 2**32
+        other, fmt = words.astype(np.uint32).view(np.int32), "gptq"
     kwargs = dict(bits=bits, group_size=16)
     a = ref.dequantize(quant.qweight, quant.scales, quant.qzeros, g_idx, checkpoint_format=quant.checkpoint_format,
                        **kwargs)

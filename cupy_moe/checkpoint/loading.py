@@ -14,6 +14,7 @@ read, and nothing half-built is returned. Expected shapes come from `weights.sta
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -176,11 +177,20 @@ def _all_or_none(ckpt: Checkpoint, label: str, present: dict):
                          f"carry it or none (it is in none of {ckpt.index.source})")
 
 
+_WARNED_SUBNORMAL: set = set()  # files already warned about (one warning per file, not per tensor)
+
+
 def _to_fp16(x: np.ndarray, f: SafetensorsFile, name: str) -> np.ndarray:
     out = x.astype(np.float16)
     if not np.all(np.isfinite(out)) and np.all(np.isfinite(x)):
         raise ValueError(f"{f.label}: tensor '{name}': values up to {np.abs(x).max():g} overflow the float16 "
                          f"scales of the stacked layout")
+    small = (x != 0) & (np.abs(out) < np.float16(2.0**-14))  # fp16 subnormals (or 0): fewer than 11 bits left
+    if small.any() and f.path not in _WARNED_SUBNORMAL:
+        _WARNED_SUBNORMAL.add(f.path)
+        warnings.warn(f"cupy_moe: {f.label}: scales below 2**-14 (the smallest {np.abs(x[small]).min():.3g}, in "
+                      f"tensor '{name}') keep fewer bits as float16 subnormals; their groups' weights carry a "
+                      f"relative error of about 2**-24 / scale", stacklevel=2)
     return out
 
 

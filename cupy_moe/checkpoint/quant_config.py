@@ -272,9 +272,10 @@ def _ct_group(source: str, name: str, group: dict, global_fmt) -> Quant:
     actorder = w.get("actorder")
     if actorder not in (None, False, True, "group", "weight", "static", "dynamic"):
         _refuse(source, f"{where} weights.actorder={actorder!r}", "expected null, 'group', 'weight' or 'static'")
-    # desc_act: groups follow a stored weight_g_idx, which only actorder "group" (True) writes; "weight" and
-    # "static" reorder the columns while quantizing but keep the groups contiguous (k // G, no g_idx).
-    return Quant(bits, group_size, sym, actorder in (True, "group"), "pack-quantized")
+    # desc_act: groups follow a stored weight_g_idx, which only actorder "group" (True; "dynamic" is its alias in
+    # compressed-tensors) writes; "weight" and "static" reorder the columns while quantizing but keep the groups
+    # contiguous (k // G, no g_idx).
+    return Quant(bits, group_size, sym, actorder in (True, "group", "dynamic"), "pack-quantized")
 
 
 def _ct_pattern(target: str) -> str | None:
