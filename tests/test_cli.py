@@ -246,6 +246,10 @@ def test_bench_checks_its_token_counts_before_any_gpu_work():
     pytest.importorskip("cupy")
     err = run("-m", "cupy_moe", "bench", "--m", "1,x", status=2).stderr
     assert "bench_gemm.py: error: --m: expected positive token counts, comma-separated, got '1,x'" in err
+    for args, message in ((["--phases", "up"], "--phases: expected gate_up and/or down, comma-separated, got 'up'"),
+                          (["--iters", "0"], "--iters: expected a positive int, got 0"),
+                          (["--json", "/no/such/folder/x.json"], "--json: expected a file in an existing folder")):
+        assert message in run("-m", "cupy_moe", "bench", *args, status=2).stderr
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a GPU")
