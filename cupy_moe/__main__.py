@@ -164,12 +164,14 @@ def cpu_footprint(shape) -> tuple[int, int]:
     packed layer (4-bit weights with float16 scales and 4-bit zeros per group, as written), held in memory too,
     plus the float64 experts of one call of the layer (host_chunk) or of the float64 check (one expert at a time),
     plus a float32 copy of one expert on its way to float64."""
+    from .testing import shared_intermediate_written
     h, i, e = shape.hidden, shape.intermediate, shape.num_experts
-    weights = 3 * h * (e * i + shape.shared_intermediate)
+    i_s = shared_intermediate_written(shape.family, i, shape.shared_intermediate or None)
+    weights = 3 * h * (e * i + i_s)
     disk = weights // 2 + weights * 5 // (2 * shape.group_size) + h * e * 2  # + the float16 router
     experts = min(e, host_chunk(shape) * shape.top_k)
-    float64 = max(experts * 2 * h * i, 3 * h * max(i, shape.shared_intermediate)) * 8
-    return disk, disk + float64 + 3 * h * max(i, shape.shared_intermediate) * 4
+    float64 = max(experts * 2 * h * i, 3 * h * max(i, i_s)) * 8
+    return disk, disk + float64 + 3 * h * max(i, i_s) * 4
 
 
 def gb(nbytes) -> str:

@@ -126,7 +126,8 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
                      weight_std: float = 0.02) -> dict:
     """Write a GPTQ (or AWQ GEMM) MoE checkpoint folder and return the float weights it quantized.
 
-    path: folder to create; if it exists, its *.safetensors and *.json files are deleted first (no stale shards).
+    path: folder to create. If it exists, every *.json and *.safetensors file in it is deleted first (no stale
+        shards or configs), whatever wrote it: pass a new or empty folder.
     family: "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2" or "deepseek_v3" (names and config keys).
     num_layers, hidden H, intermediate I (per expert), num_experts E, top_k A: model sizes.
     bits 2/3/4/8, group_size G or -1, sym, desc_act (act-order: a permuted, non-monotone g_idx per module).
@@ -288,6 +289,12 @@ def _sizes(family, num_layers, h, i, e_count, shared_intermediate, first_k_dense
                          f"{first_k_dense_replace} for {family}")
     return _Sizes(num_layers, h, i, e_count, SCHEMES[family].shared_experts is not None, shared_intermediate,
                   n_shared, first_k_dense_replace, dense_intermediate or 2 * i)
+
+
+def shared_intermediate_written(family: str, intermediate: int, shared_intermediate: int | None = None) -> int:
+    """The shared experts' intermediate size I_s that write_checkpoint writes for these arguments (0: none)."""
+    sizes = _sizes(family, 1, 1, intermediate, 1, shared_intermediate, None, None)
+    return sizes.shared_intermediate if sizes.has_shared else 0
 
 
 def _naming(family: str, naming: str | None):
