@@ -199,6 +199,13 @@ def main(argv=None):
     if not all(str(m).isdigit() and int(m) > 0 for m in ms):
         ap.error(f"--m: expected positive token counts, comma-separated, got {args.m!r}")
     ms = [int(m) for m in ms]
+    phases = args.phases.split(",")
+    if not phases or any(ph not in ("gate_up", "down") for ph in phases):
+        ap.error(f"--phases: expected gate_up and/or down, comma-separated, got {args.phases!r}")
+    if args.iters < 1:
+        ap.error(f"--iters: expected a positive int, got {args.iters}")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        ap.error(f"--json: expected a file in an existing folder, got {args.json!r}")
     try:
         models = [get_model(name).name for name in args.models.split(",")]
         tiles = [configs.GemmConfig.from_spec(spec) for spec in filter(None, (args.tiles or "").split(";"))]
@@ -222,7 +229,7 @@ def main(argv=None):
     hdr = (f"{'model':18s} {'phase':7s} {'M':>5s} {'B':>3s} {'S':>2s} {'time us':>9s} {'TB/s':>6s} {'TFLOP/s':>8s} "
            f"{'floor':>6s} {'flops':>6s} {'roof':>6s} {'base us':>9s} {'vs base':>7s} {'target':>9s}")
     print(hdr + ("  sha1" if args.checksums else ""))
-    problems = [(model, phase, m) for model in models for phase in args.phases.split(",") for m in ms]
+    problems = [(model, phase, m) for model in models for phase in phases for m in ms]
     # a bar under the rows while they are measured (on a terminal only); the rows go to stdout through it
     with progress_bar(total=len(problems), unit="row", desc="measuring", leave=False) as bar:
         for model, phase, m in problems:

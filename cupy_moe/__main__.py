@@ -1,8 +1,11 @@
 """Command line: `python -m cupy_moe demo | inspect PATH | bench [ARGS] | tune`.
 
-A problem prints one line on stderr and exits with status 2; `--debug` (before the command) or CUPY_MOE_DEBUG=1
-shows the traceback instead. Arguments are checked before anything looks for a GPU. Long steps show a progress
-bar on stderr when stderr is a terminal, and nothing when it is piped or redirected.
+A problem prints one line on stderr and exits with status 2; `--debug` (before the command) or CUPY_MOE_DEBUG set
+to anything but 0, false, no, off or empty shows the traceback instead. Arguments and paths are checked before
+anything looks for a GPU. Long steps show a progress bar on stderr when stderr is a terminal, and nothing when it
+is piped or redirected. A closed pipe on stdout (`... | head`) ends the command quietly with status 141, as a
+shell reports a process ended by SIGPIPE; SIGINT, SIGTERM and SIGHUP end it with 128 + the signal's number, after
+removing its temporary files.
 """
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import argparse
 import json
 import os
 import runpy
+import signal
 import sys
 import tempfile
 import threading
@@ -19,14 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from ._progress import progress_bar
+from ._inspect_text import finite_json, format_inspection
+from ._progress import Steps, progress_bar, steps
 from ._xp import INSTALL_HINT
 from .models import BENCHMARK_MODELS, MODELS, get_model
 
 PROG = "python -m cupy_moe"
 DEBUG_ENV = "CUPY_MOE_DEBUG"
+DEBUG_OFF = ("", "0", "false", "no", "off")  # values of DEBUG_ENV that leave debugging off (any case)
+MAX_TOKENS = 1 << 20  # the largest token count M the demo and tune take
 CHECK_BAR = 1e-3  # largest relative L2 error of the demo's output against the float64 reference that passes
-HOST_FLOAT64_BYTES = 2 << 30  # float64 expert weights the demo's NumPy paths may hold at once
+# float64 expert weights the demo's NumPy layer run aims to hold at once: it runs as many tokens a call as keep the
+# experts they touch under this, and at least one token (whose top-k experts may need more on the largest models)
+HOST_FLOAT64_BYTES = 2 << 30
+SIGPIPE_STATUS = 141  # what a shell reports for a process ended by SIGPIPE: the exit status of a closed stdout
 BENCHMARK = Path("benchmarks") / "bench_gemm.py"
 
 
@@ -41,52 +51,7 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
-# --------------------------------------------------------------------------------------------- progress and GPU
-
-
-class Steps:
-    """A bar over `total` named steps whose clock keeps moving during a long step (redrawn every second).
-
-    `next(description)` starts the next step (the previous one counts as done); `say(description)` reports within
-    a step."""
-
-    def __init__(self, total: int):
-        self.total = total
-        self.bar = progress_bar(total=total, bar_format="{desc} [{elapsed}]", leave=False)
-        self.started = 0
-        self._stop = threading.Event()
-        self._ticker = threading.Thread(target=self._redraw, daemon=True)
-        if not self.bar.disable:
-            self._ticker.start()
-
-    def _redraw(self):
-        while not self._stop.wait(1.0):
-            self.bar.refresh()
-
-    def next(self, description: str):
-        if self.started:
-            self.bar.update(1)
-        self.started += 1
-        self.say(description)
-
-    def say(self, description: str):
-        self.bar.set_description_str(f"step {self.started}/{self.total}: {description}")
-
-    def close(self):
-        self._stop.set()
-        if self._ticker.is_alive():
-            self._ticker.join()
-        self.bar.close()
-
-
-@contextmanager
-def steps(total: int):
-    """`Steps(total)`, closed on the way out."""
-    bar = Steps(total)
-    try:
-        yield bar
-    finally:
-        bar.close()
+# --------------------------------------------------------------------------------------------- GPU
 
 
 def gpu_problem() -> str | None:
@@ -118,14 +83,30 @@ def require_gpu():
 # --------------------------------------------------------------------------------------------- argument types
 
 
-def positive_int(text: str) -> int:
+def whole_number(text: str, low: int, high: int | None = None) -> int:
+    """int(text) in [low, high] (no upper bound when high is None), else an ArgumentTypeError that says so."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {value}")
+    if high is not None and value > high:
+        raise argparse.ArgumentTypeError(f"expected a whole number <= {high:,}, got {value:,}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return whole_number(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return whole_number(text, 0)
+
+
+def token_count(text: str) -> int:
+    """A token count M: a whole number in [1, MAX_TOKENS]."""
+    return whole_number(text, 1, MAX_TOKENS)
 
 
 def model_name(text: str) -> str:
@@ -137,14 +118,16 @@ def model_name(text: str) -> str:
 
 
 def model_list(text: str) -> list[str]:
+    """Comma-separated model names -> their table spellings, each once, in the order given."""
     names = [model_name(part.strip()) for part in text.split(",") if part.strip()]
     if not names:
         raise argparse.ArgumentTypeError("expected at least one model name")
-    return names
+    return list(dict.fromkeys(names))
 
 
 def token_counts(text: str) -> tuple[int, ...]:
-    return tuple(positive_int(part.strip()) for part in text.split(","))
+    """Comma-separated token counts (each in [1, MAX_TOKENS]) -> each once, in the order given."""
+    return tuple(dict.fromkeys(token_count(part.strip()) for part in text.split(",")))
 
 
 # --------------------------------------------------------------------------------------------- demo
@@ -169,10 +152,30 @@ def verdict(err: float, what: str) -> str:
 
 
 def host_chunk(shape) -> int:
-    """Tokens per call of the NumPy paths: they dequantize every expert a call's tokens touch to float64 (8 bytes a
-    weight, 3*H*I weights an expert), so a call takes at most as many tokens as keep that under HOST_FLOAT64_BYTES."""
-    per_token = shape.top_k * 8 * 3 * shape.hidden * shape.intermediate
+    """Tokens per call of the NumPy layer path: each GEMM phase dequantizes every expert a call's tokens touch to
+    float64 (8 bytes a weight, 2*H*I weights in the larger phase), so a call takes as many tokens as keep that under
+    HOST_FLOAT64_BYTES, and at least one."""
+    per_token = shape.top_k * 8 * 2 * shape.hidden * shape.intermediate
     return max(1, HOST_FLOAT64_BYTES // per_token)
+
+
+def cpu_footprint(shape) -> tuple[int, int]:
+    """(bytes of the demo's checkpoint on disk, peak bytes of memory of its NumPy run and check), estimated: the
+    packed layer (4-bit weights with float16 scales and 4-bit zeros per group, as written), held in memory too,
+    plus the float64 experts of one call of the layer (host_chunk) or of the float64 check (one expert at a time),
+    plus a float32 copy of one expert on its way to float64."""
+    from .testing import shared_intermediate_written
+    h, i, e = shape.hidden, shape.intermediate, shape.num_experts
+    i_s = shared_intermediate_written(shape.family, i, shape.shared_intermediate or None)
+    weights = 3 * h * (e * i + i_s)
+    disk = weights // 2 + weights * 5 // (2 * shape.group_size) + h * e * 2  # + the float16 router
+    experts = min(e, host_chunk(shape) * shape.top_k)
+    float64 = max(experts * 2 * h * i, 3 * h * max(i, i_s)) * 8
+    return disk, disk + float64 + 3 * h * max(i, i_s) * 4
+
+
+def gb(nbytes) -> str:
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.0f} MB"
 
 
 def in_chunks(fn, x, chunk: int, step: Steps, what: str) -> np.ndarray:
@@ -197,6 +200,8 @@ def demo_cpu(args, folder, shape, why: str) -> int:
     check = min(args.tokens, args.check_tokens)
     chunk = host_chunk(shape)
     print(describe(shape, args.tokens) + "; NumPy reference path")
+    disk, peak = cpu_footprint(shape)
+    print(f"{why} Estimated: about {gb(disk)} on disk, about {gb(peak)} of memory at the peak", flush=True)
     t0 = time.perf_counter()
     with steps(4) as step:
         step.next("writing the checkpoint (random weights, GPTQ-quantized)")
@@ -213,6 +218,27 @@ def demo_cpu(args, folder, shape, why: str) -> int:
     print(verdict(err, f"{check} tokens against float64 loops over the dequantized weights"))
     print(f"took {time.perf_counter() - t0:.1f} s. {why}")
     return 0 if err <= CHECK_BAR else 1
+
+
+def check_new_folder(path: Path, option: str) -> Path:
+    """`path` as a folder to write into: created when missing; a CliError naming `option` when it is a file, is a
+    folder that holds anything, or cannot be created."""
+    if path.exists() and not path.is_dir():
+        raise CliError(f"argument {option}: expected a new or empty folder, got a file: {path}")
+    if path.is_dir():
+        entries = sum(1 for _ in path.iterdir())
+        if entries:
+            raise CliError(f"argument {option}: expected a new or empty folder, got {path}, which holds "
+                           f"{entries} {'entry' if entries == 1 else 'entries'} (the demo writes *.json and "
+                           "*.safetensors files there, replacing any)")
+        return path
+    try:
+        path.mkdir(parents=True)
+    except OSError as exc:
+        raise CliError(f"argument {option}: expected a folder that can be created, got {path} "
+                       f"({exc.strerror or type(exc).__name__})") from exc
+    return path
+
 
 
 def demo_gpu(args, folder, shape, cp) -> int:
@@ -258,12 +284,12 @@ def demo_gpu(args, folder, shape, cp) -> int:
 
 
 def demo(args) -> int:
+    folder = check_new_folder(Path(args.dir), "--dir") if args.dir else None
     problem = gpu_problem()
     on_gpu = problem is None and not args.cpu
     shape = get_model(args.model or ("Mixtral-8x7B" if on_gpu else "tiny"))
     with tempfile.TemporaryDirectory(prefix="cupy_moe_demo_") as tmp:
-        if args.dir:
-            folder = Path(args.dir)
+        if folder is not None:
             print(f"writing a synthetic GPTQ MoE checkpoint to {folder} (kept)")
         else:
             folder = Path(tmp)
@@ -277,85 +303,6 @@ def demo(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------- inspect
-
-
-def mib(nbytes) -> str:
-    return f"{nbytes / 2**20:,.1f} MiB" if nbytes >= 2**20 / 10 else f"{nbytes / 2**10:,.1f} KiB"
-
-
-def plural(n, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def table(rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
-    """Rows of cells as aligned text lines; the first row is the header, columns in `right` align right."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.rjust(w) if i in right else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-            .rstrip() for row in rows]
-
-
-def format_inspection(info: dict) -> list[str]:
-    """What `inspect` prints: labelled lines, the layers in order, the tensors by role and dtype, the files (when
-    there are several), the problems."""
-    q = info["quantization"]
-    model_type = info.get("model_type") or "not given"
-    arch = ", ".join(info.get("architectures") or []) or "not given"
-    family = f"{info['family']} (model_type {model_type}; architectures {arch})"
-    if info.get("naming"):
-        family += f"; tensor names: {info['naming']}"
-    routing = (f"top-{info['top_k']} of {info['num_experts']} experts, {info.get('scoring_func') or 'softmax'} "
-               f"scores, {'renormalized' if info.get('renormalize') else 'not renormalized'}")
-    extra = info.get("routing") or {}
-    if (extra.get("topk_method") or {}).get("value") not in (None, "greedy"):
-        routing += f", {extra['topk_method']['value']} selection"
-    if (extra.get("routed_scaling_factor") or {}).get("value") not in (None, 1, 1.0):
-        routing += f", scaled by {extra['routed_scaling_factor']['value']}"
-    # where each setting came from: config.json, or the model type's default where the key is absent
-    defaults = [f"{key}={row['value']} [{row['source']}]" for key, row in extra.items()
-                if isinstance(row, dict) and row.get("value") is not None
-                and not str(row.get("source", "")).startswith("config.json")]
-    group = "one group per column (-1)" if q["group_size"] == -1 else f"group size {q['group_size']}"
-    quant = (f"{q['method'].upper()} {q['bits']}-bit, {group}, {'symmetric' if q['sym'] else 'asymmetric'}, "
-             f"act-order {'yes' if q['desc_act'] else 'no'}, format {q['checkpoint_format']} "
-             f"(read from {q['source']})")
-    if q.get("dynamic"):
-        quant += f"; per-module rules: {len(q['dynamic'])}"
-    layers = sorted(info["layers"], key=lambda row: row["layer"])
-    moe = sum(row.get("kind", "moe") == "moe" for row in layers)
-    tensors = sum(f.get("tensors", 0) for f in info["files"])
-    lines = table([
-        ["checkpoint", info["path"]],
-        ["family", family],
-        ["sizes", f"hidden {info['hidden_size']}, expert intermediate {info['intermediate_size']}"],
-        ["routing", routing],
-        *([["routing defaults", "; ".join(defaults)]] if defaults else []),
-        *([["routing error", info["routing_error"]]] if info.get("routing_error") else []),
-        ["quantization", quant],
-        ["layers", f"{info['num_layers']} in all: {moe} MoE, {len(layers) - moe} dense"],
-        ["files", f"{plural(len(info['files']), 'file')}, {plural(tensors, 'tensor')}, {mib(info['total_bytes'])}"],
-    ])
-    rows = []
-    for row in layers:
-        if row.get("kind", "moe") == "moe":
-            shared = row.get("shared_experts") or 0
-            rows.append([str(row["layer"]), "MoE", f"{row['experts_found']}/{info['num_experts']}",
-                         str(row["experts"] or "none"), mib(row["expert_bytes"]),
-                         f"{shared} ({row.get('shared_storage') or 'unknown'})" if shared else "none"])
-        else:
-            rows.append([str(row["layer"]), "dense", "", "", "", f"({row.get('reason') or 'no experts'})"])
-    if rows:
-        lines += ["", *table([["layer", "kind", "experts", "stored as", "expert weights", "shared experts"]] + rows,
-                             right={0, 4})]
-    by_role = [[role, dtype, str(v["count"]), mib(v["bytes"])]
-               for role, dtypes in (info.get("tensors") or {}).items() for dtype, v in sorted(dtypes.items())]
-    if by_role:
-        lines += ["", *table([["tensors", "dtype", "count", "size"]] + by_role, right={2, 3})]
-    if len(info["files"]) > 1:
-        lines += ["", *table([["file", "tensors", "size"]] + [[f["name"], str(f["tensors"]), mib(f["bytes"])]
-                                                           for f in info["files"]], right={1, 2})]
-    if info.get("problems"):
-        lines += ["", *(f"problem: {problem}" for problem in info["problems"])]
-    return lines
 
 
 def inspect(args) -> int:
@@ -377,7 +324,7 @@ def inspect(args) -> int:
             text = f"{path}: {text}"
         raise CliError(text) from exc
     if args.json:
-        print(json.dumps(info, indent=2))
+        print(json.dumps(finite_json(info), indent=2, allow_nan=False))
     else:
         print("\n".join(format_inspection(info)))
     return 1 if info.get("problems") else 0
@@ -432,9 +379,29 @@ def bench(args) -> int:
 # --------------------------------------------------------------------------------------------- tune
 
 
+def check_cache_folder():
+    """A CliError unless the folder of tuned tables (configs.user_dir()) is, or can be made, a writable folder."""
+    from .configs import user_dir
+    path = user_dir()
+    where = (f"the tuned-table folder {path} (from CUPY_MOE_CACHE_DIR)" if os.environ.get("CUPY_MOE_CACHE_DIR")
+             else f"the tuned-table folder {path} (CUPY_MOE_CACHE_DIR chooses another)")
+    if path.exists() and not path.is_dir():
+        raise CliError(f"{where}: expected a writable folder, got a file (--dry-run saves nothing)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CliError(f"{where}: expected a writable folder, and it cannot be created "
+                       f"({exc.strerror or type(exc).__name__}; --dry-run saves nothing)") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CliError(f"{where}: expected a writable folder, got one without write permission "
+                       "(--dry-run saves nothing)")
+
+
 def tune(args) -> int:
     from .tune import tune as run_tune
     models = args.models or list(BENCHMARK_MODELS)
+    if not args.dry_run:
+        check_cache_folder()
     require_gpu()
     with progress_bar(total=len(models) * 2 * len(args.m), unit="problem", desc="tuning", leave=False) as bar:
         def log(line):  # one line per (model, phase, M) measured, then the line that says where it saved
@@ -448,22 +415,29 @@ def tune(args) -> int:
 # --------------------------------------------------------------------------------------------- main
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    parser = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--debug", action="store_true",
-                        help=f"show the traceback of an error instead of one line (also: {DEBUG_ENV}=1)")
+                        help=f"show the traceback of an error instead of one line (also: {DEBUG_ENV} set to "
+                             "anything but 0, false, no, off or empty)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     names = ", ".join(MODELS)
     p = sub.add_parser("demo", help="write a synthetic GPTQ MoE checkpoint, run one layer, check it, time it")
     p.add_argument("--model", type=model_name, default=None,
-                   help=f"layer shapes, any case: {names} (default Mixtral-8x7B on a GPU, tiny on the CPU)")
-    p.add_argument("--tokens", type=positive_int, default=8, help="tokens M in the batch (default 8)")
-    p.add_argument("--check-tokens", type=positive_int, default=2,
+                   help=f"layer shapes, any case: {names} (default Mixtral-8x7B on a GPU, tiny on the CPU); on "
+                        "the CPU a full-size model takes minutes and several GB of disk and memory (the demo prints "
+                        "its estimate first)")
+    p.add_argument("--tokens", type=token_count, default=8,
+                   help=f"tokens M in the batch, 1 to {MAX_TOKENS:,} (2**20) (default 8)")
+    p.add_argument("--check-tokens", type=token_count, default=2,
                    help="tokens checked against the float64 reference (default 2)")
     p.add_argument("--reps", type=positive_int, default=50, help="timed graph replays on the GPU (default 50)")
-    p.add_argument("--dir", help="keep the checkpoint in this folder instead of a temporary one")
-    p.add_argument("--cpu", action="store_true", help="run the NumPy path even when a GPU is present")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the weights and inputs (default 0)")
+    p.add_argument("--dir", help="keep the checkpoint in this folder, which must be new or empty, instead of a "
+                                 "temporary one")
+    p.add_argument("--cpu", action="store_true",
+                   help="run the NumPy path even when a GPU is present (full-size models: minutes, several GB)")
+    p.add_argument("--seed", type=non_negative_int, default=0,
+                   help="random seed of the weights and inputs, a whole number >= 0 (default 0)")
     p.set_defaults(func=demo)
     p = sub.add_parser("inspect", help="describe a checkpoint folder from its configs and headers (no tensor data); "
                                        "exit status 1 when it found problems")
@@ -477,18 +451,22 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("tune", help="time GEMM configurations on this GPU and keep the fastest per problem in its "
                                     "tuned table")
     p.add_argument("--models", type=model_list, default=None,
-                   help=f"comma-separated model names, any case (default all: {', '.join(BENCHMARK_MODELS)})")
+                   help="comma-separated model names, any case, each tuned once (default all: "
+                        f"{', '.join(BENCHMARK_MODELS)})")
     p.add_argument("--m", type=token_counts, default=(1, 4, 16, 64, 256, 1024, 4096),
-                   help="comma-separated token counts M (default 1,4,16,64,256,1024,4096)")
+                   help=f"comma-separated token counts M, each 1 to {MAX_TOKENS:,} (2**20) and tuned once "
+                        "(default 1,4,16,64,256,1024,4096)")
     p.add_argument("--reps", type=positive_int, default=10, help="graph replays per candidate (default 10)")
-    p.add_argument("--dry-run", action="store_true", help="measure and print, but do not write the table")
+    p.add_argument("--dry-run", action="store_true",
+                   help="measure and print, but do not write the table (without it the table's folder, "
+                        "CUPY_MOE_CACHE_DIR or ~/.cache/cupy_moe, is checked before anything is measured)")
     p.set_defaults(func=tune)
     return parser
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
+def parse(argv: list[str], prog: str = PROG) -> argparse.Namespace:
     """Parse argv; for `bench`, every token after the command is kept verbatim in `rest` for the benchmark."""
-    parser = build_parser()
+    parser = build_parser(prog)
     command_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if command_at is not None and argv[command_at] == "bench":
         args = parser.parse_args(argv[:command_at + 1])
@@ -506,22 +484,74 @@ def error_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text} (--debug shows where)"
 
 
-def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = parse(argv)
-    debug = args.debug or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+def program_name(argv_given: bool) -> str:
+    """How usage lines and errors name the command: the basename of sys.argv[0] when it runs as a console script
+    (`cupy-moe`), else `python -m cupy_moe` (and always when main is given its argv)."""
+    base = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return PROG if argv_given or base in ("", "-c", "__main__.py") else base
+
+
+def debug_on(args) -> bool:
+    return args.debug or os.environ.get(DEBUG_ENV, "").strip().lower() not in DEBUG_OFF
+
+
+@contextmanager
+def signals_interrupt():
+    """SIGTERM and SIGHUP (where the platform has it) raise KeyboardInterrupt, as SIGINT does, so the `with` blocks
+    on the way out remove temporary files; the previous handlers come back on exit. Yields a list that receives
+    the number of each signal caught."""
+    caught = []
+
+    def handler(signum, frame):
+        caught.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+        for name in ("SIGTERM", "SIGHUP"):
+            if hasattr(signal, name):
+                previous[name] = signal.signal(getattr(signal, name), handler)
     try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        if debug:
-            raise
-        print(f"{PROG} {args.command}: error: {error_line(exc)}", file=sys.stderr)
-        return 2
+        yield caught
+    finally:
+        for name, old in previous.items():
+            signal.signal(getattr(signal, name), old)
+
+
+def silence_stdout():
+    """Point stdout's file descriptor at os.devnull, so the flush at exit meets no closed pipe again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout has no descriptor (captured): nothing is flushed there
+        pass
+
+
+def main(argv=None) -> int:
+    prog = program_name(argv is not None)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv, prog)
+    debug = debug_on(args)
+    with signals_interrupt() as caught:
+        try:
+            status = args.func(args)
+            sys.stdout.flush()  # a closed pipe shows here rather than in the flush at exit
+            return status
+        except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, as a shell's tools do
+            silence_stdout()
+            return SIGPIPE_STATUS
+        except KeyboardInterrupt:
+            if debug:
+                raise
+            signum = caught[-1] if caught else signal.SIGINT
+            print(f"{prog} {args.command}: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+            return 128 + signum
+        except Exception as exc:
+            if debug:
+                raise
+            print(f"{prog} {args.command}: error: {error_line(exc)}", file=sys.stderr)
+            return 2
 
 
 if __name__ == "__main__":

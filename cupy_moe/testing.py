@@ -126,7 +126,8 @@ def write_checkpoint(path, *, family: str = "mixtral", num_layers: int = 1, hidd
                      weight_std: float = 0.02) -> dict:
     """Write a GPTQ (or AWQ GEMM) MoE checkpoint folder and return the float weights it quantized.
 
-    path: folder to create; if it exists, its *.safetensors and *.json files are deleted first (no stale shards).
+    path: folder to create. If it exists, every *.json and *.safetensors file in it is deleted first (no stale
+        shards or configs), whatever wrote it: pass a new or empty folder.
     family: "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2" or "deepseek_v3" (names and config keys).
     num_layers, hidden H, intermediate I (per expert), num_experts E, top_k A: model sizes.
     bits 2/3/4/8, group_size G or -1, sym, desc_act (act-order: a permuted, non-monotone g_idx per module).
@@ -288,6 +289,12 @@ def _sizes(family, num_layers, h, i, e_count, shared_intermediate, first_k_dense
                          f"{first_k_dense_replace} for {family}")
     return _Sizes(num_layers, h, i, e_count, SCHEMES[family].shared_experts is not None, shared_intermediate,
                   n_shared, first_k_dense_replace, dense_intermediate or 2 * i)
+
+
+def shared_intermediate_written(family: str, intermediate: int, shared_intermediate: int | None = None) -> int:
+    """The shared experts' intermediate size I_s that write_checkpoint writes for these arguments (0: none)."""
+    sizes = _sizes(family, 1, 1, intermediate, 1, shared_intermediate, None, None)
+    return sizes.shared_intermediate if sizes.has_shared else 0
 
 
 def _naming(family: str, naming: str | None):
@@ -510,22 +517,15 @@ def _write_configs(folder: Path, *, family, num_layers, h, i, e_count, top_k, sh
 
 
 def dense_layer_output(layer, x) -> np.ndarray:
-    """A MoE layer's output in float64 by plain loops over tokens and slots, on dequantized weights.
+    """A MoE layer's output in float64 by a plain loop over the experts used, on dequantized weights.
 
     layer: a `cupy_moe.MoELayer` with NumPy weights (its `route` picks the experts; routing is tested on its
-    own). x: [M, H]. Returns float64 [M, H]: the independent check used by the tests and the demo.
+    own). x: [M, H]. Returns float64 [M, H]: the independent check used by the tests and the demo. The loops go
+    expert by expert, so at most one expert's weights are held in float64 at a time (8 bytes a weight).
     """
     w = layer.weights
 
-    cache = {}
-
-    def matrix(stacked, e):  # [K, N] float64 of expert e, dequantized once
-        key = (id(stacked), e)
-        if key not in cache:
-            cache[key] = dequantized(stacked, e)
-        return cache[key]
-
-    def dequantized(stacked, e):
+    def dequantized(stacked, e):  # [K, N] float64 of expert e
         if not hasattr(stacked, "qweight"):
             return np.asarray(stacked[e], np.float64)
         return reference.dequantize(
@@ -533,23 +533,24 @@ def dense_layer_output(layer, x) -> np.ndarray:
             None if stacked.g_idx is None else stacked.g_idx[e], bits=stacked.bits,
             group_size=stacked.group_size, checkpoint_format="gptq_v2").astype(np.float64)
 
-    def mlp(row, w13, w2, b13, b2, e):  # one expert on one token: down(SiLU(gate) * up)
-        h = row @ matrix(w13, e) + (0 if b13 is None else b13[e])
-        i = h.shape[0] // 2
-        return (h[:i] / (1 + np.exp(-h[:i])) * h[i:]) @ matrix(w2, e) + (0 if b2 is None else b2[e])
+    def mlp(rows, w13, w2, b13, b2, e):  # one expert on some tokens [m, H]: down(SiLU(gate) * up)
+        h = rows @ dequantized(w13, e) + (0 if b13 is None else b13[e])
+        i = h.shape[1] // 2
+        return (h[:, :i] / (1 + np.exp(-h[:, :i])) * h[:, i:]) @ dequantized(w2, e) + (0 if b2 is None else b2[e])
 
     weights, ids = layer.route(x)
+    weights, ids = np.asarray(weights, np.float64), np.asarray(ids)
     xf = np.asarray(x, np.float64)
     out = np.zeros((x.shape[0], w.hidden_size))
-    for m in range(x.shape[0]):
-        for s in range(ids.shape[1]):
-            out[m] += weights[m, s] * mlp(xf[m], w.w13, w.w2, w.w13_bias, w.w2_bias, int(ids[m, s]))
-        if w.shared is not None:
-            sh = w.shared
-            shared = mlp(xf[m], sh.gate_up, sh.down, sh.gate_up_bias, sh.down_bias, 0)
-            if w.shared_gate_weight is not None:
-                shared /= 1 + np.exp(-(xf[m] @ np.asarray(w.shared_gate_weight, np.float64)[0]))
-            out[m] += shared
+    for e in np.unique(ids):
+        m, s = np.nonzero(ids == e)
+        np.add.at(out, m, weights[m, s, None] * mlp(xf[m], w.w13, w.w2, w.w13_bias, w.w2_bias, int(e)))
+    if w.shared is not None:
+        sh = w.shared
+        shared = mlp(xf, sh.gate_up, sh.down, sh.gate_up_bias, sh.down_bias, 0)
+        if w.shared_gate_weight is not None:
+            shared /= 1 + np.exp(-(xf @ np.asarray(w.shared_gate_weight, np.float64)[0]))[:, None]
+        out += shared
     return out
 
 

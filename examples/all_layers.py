@@ -5,8 +5,10 @@ Without a folder it writes a small synthetic Qwen2-MoE checkpoint (3 layers) fir
 CUDA events; on the CPU it times the NumPy reference path.
 """
 import argparse
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -17,6 +19,12 @@ parser = argparse.ArgumentParser()
 parser.add_argument("folder", nargs="?")
 parser.add_argument("--tokens", type=int, default=16)
 args = parser.parse_args()
+if args.tokens < 1:
+    parser.error(f"argument --tokens: expected a whole number >= 1, got {args.tokens}")
+if args.folder is not None and not Path(args.folder).is_dir():
+    print(f"all_layers.py: error: {args.folder}: expected a checkpoint folder, "
+          f"{'got a file' if Path(args.folder).exists() else 'no such folder'}", file=sys.stderr)
+    sys.exit(2)
 
 with tempfile.TemporaryDirectory() as tmp:
     folder = args.folder

@@ -81,11 +81,21 @@ def run(folder, layer_index, tokens, seed) -> int:
     return 0 if ok else 1
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("folder", nargs="?", help="checkpoint folder (default: a synthetic one)")
     p.add_argument("--layer", type=int, default=None, help="decoder layer (default: the first MoE layer)")
-    p.add_argument("--tokens", type=int, default=4, help="tokens M of the random input (default 4)")
+    p.add_argument("--tokens", type=positive_int, default=4, help="tokens M of the random input (default 4)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.folder is not None:

@@ -1,10 +1,14 @@
 """The command line (demo, inspect, bench, tune) and every example, run as a user runs them."""
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import tracemalloc
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cupy_moe import __main__ as cli
@@ -79,6 +83,9 @@ def test_demo_matches_model_names_in_any_case(monkeypatch, capsys, tmp_path):
     (["tune", "--models", ","], "expected at least one model name"),
     (["tune", "--m", "1,x"], "argument --m: expected a whole number >= 1, got 'x'"),
     (["tune", "--reps", "-1"], "argument --reps"),
+    (["demo", "--seed", "-1"], "argument --seed: expected a whole number >= 0, got -1"),
+    (["demo", "--tokens", str(10**15)], "argument --tokens: expected a whole number <= 1,048,576, got 1,000,000,000"),
+    (["tune", "--m", "1," + "9" * 20], "argument --m: expected a whole number <= 1,048,576, got 99,999"),
 ])
 def test_bad_arguments_exit_2_before_any_gpu_check(monkeypatch, capsys, argv, needle):
     monkeypatch.setattr(cli, "gpu_problem", lambda: pytest.fail("looked for a GPU before checking arguments"))
@@ -89,7 +96,164 @@ def test_bad_arguments_exit_2_before_any_gpu_check(monkeypatch, capsys, argv, ne
     assert needle in err and err.count("\n") == 1, err
 
 
+def demo_must_not_start(monkeypatch):
+    for name in ("gpu_problem", "demo_cpu", "demo_gpu"):
+        monkeypatch.setattr(cli, name, lambda *a: pytest.fail("the demo started before checking --dir"))
+
+
+def test_demo_refuses_a_folder_that_holds_anything_and_leaves_it_alone(monkeypatch, capsys, tmp_path):
+    demo_must_not_start(monkeypatch)
+    (tmp_path / "mine.json").write_text("{}")
+    (tmp_path / "weights.safetensors").write_bytes(b"precious")
+    one_line_error(capsys, ["demo", "--cpu", "--dir", str(tmp_path)],
+                   "argument --dir: expected a new or empty folder", str(tmp_path), "2 entries")
+    assert (tmp_path / "mine.json").read_text() == "{}"
+    assert (tmp_path / "weights.safetensors").read_bytes() == b"precious"
+
+
+def test_demo_checks_dir_before_starting(monkeypatch, capsys, tmp_path):
+    demo_must_not_start(monkeypatch)
+    (tmp_path / "afile").write_text("x")
+    one_line_error(capsys, ["demo", "--dir", str(tmp_path / "afile")], "argument --dir", "got a file",
+                   str(tmp_path / "afile"))
+    one_line_error(capsys, ["demo", "--dir", str(tmp_path / "afile" / "sub")], "argument --dir",
+                   "expected a folder that can be created", str(tmp_path / "afile" / "sub"))
+
+
+def test_demo_creates_a_new_dir(monkeypatch, tmp_path):
+    seen = {}
+    monkeypatch.setattr(cli, "demo_cpu", lambda args, folder, shape, why: seen.setdefault("folder", folder) and 0)
+    assert main(["demo", "--cpu", "--dir", str(tmp_path / "new" / "ckpt")]) == 0
+    assert seen["folder"] == tmp_path / "new" / "ckpt" and seen["folder"].is_dir()
+
+
+def test_demo_cpu_says_its_disk_and_memory_first(tmp_path):
+    out = run("-m", "cupy_moe", "demo", "--cpu", "--tokens", "2", "--dir", str(tmp_path)).stdout
+    lines = out.splitlines()
+    at = next(i for i, line in enumerate(lines) if "Estimated:" in line)
+    assert at < next(i for i, line in enumerate(lines) if line.startswith("check:"))
+    assert "NumPy path as asked (--cpu)" in lines[at] and "on disk" in lines[at] and "of memory" in lines[at]
+    disk, peak = cli.cpu_footprint(cli.get_model("tiny"))
+    written = sum(f.stat().st_size for f in tmp_path.iterdir())
+    assert 0.8 * written <= disk <= 1.25 * written, (disk, written)  # the estimate is the checkpoint's size
+    assert peak > disk
+
+
+def test_cpu_footprint_of_a_large_model_says_gigabytes():
+    disk, peak = cli.cpu_footprint(cli.get_model("DeepSeek-V3"))
+    weights = 3 * 7168 * 2048 * 257
+    assert weights / 2 < disk < weights * 0.6  # 4 bits a weight, plus scales and zeros
+    assert disk + 8 * 2 * 7168 * 2048 * 8 <= peak  # top-8 experts' gate/up in float64 for one token
+
+
+def test_the_float64_check_holds_one_expert_at_a_time(tmp_path):
+    from cupy_moe import MoELayer
+    from cupy_moe.testing import dense_layer_output
+    h, i, e = 256, 512, 8
+    write_checkpoint(tmp_path, hidden=h, intermediate=i, num_experts=e, top_k=2, group_size=64,
+                     return_weights=False)
+    layer = MoELayer.from_checkpoint(tmp_path, 0, device=False)
+    x = np.random.default_rng(0).standard_normal((16, h)).astype(np.float16)
+    assert len(np.unique(layer.route(x)[1])) >= 6
+    tracemalloc.start()
+    try:
+        ref = dense_layer_output(layer, x)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    one_expert = 3 * h * i * 8
+    assert peak < 3 * one_expert, (peak, one_expert)  # caching every expert used would take 6 or more
+    assert np.linalg.norm(ref - layer(x).astype(np.float64)) <= 1e-3 * np.linalg.norm(ref)
+
+
+def test_sigterm_removes_the_demo_folder(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "cupy_moe", "demo", "--cpu", "--model", "Mixtral-8x7B"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob("cupy_moe_demo_*")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(tmp_path.glob("cupy_moe_demo_*")), "the demo made no temporary folder"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "python -m cupy_moe demo: interrupted (SIGTERM)"
+    assert not list(tmp_path.glob("cupy_moe_demo_*"))
+
+
+def test_main_restores_the_signal_handlers(tmp_path, capsys):
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)
+    assert main(["inspect", str(tmp_path / "nowhere")]) == 2
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)) == before
+
+
+def run_into_a_closed_pipe(*args):
+    """Run python -m cupy_moe with args, its stdout a pipe whose reader has already gone (as `| head` leaves it)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "cupy_moe", *args], cwd=REPO, stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write)
+    return proc
+
+
+@pytest.mark.parametrize("command", ["inspect", "demo"])
+def test_a_closed_pipe_ends_quietly_with_status_141(tmp_path, command):
+    write_checkpoint(tmp_path, num_layers=1, return_weights=False)
+    args = ["inspect", str(tmp_path)] if command == "inspect" else ["demo", "--cpu", "--tokens", "1"]
+    proc = run_into_a_closed_pipe(*args)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+def test_cupy_moe_console_script_names_itself(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/cupy-moe", "inspect", str(tmp_path / "nowhere")])
+    assert main() == 2
+    assert capsys.readouterr().err.startswith("cupy-moe inspect: error: ")
+    monkeypatch.setattr(sys, "argv", ["/usr/local/bin/cupy-moe", "demo", "--tokens", "0"])
+    with pytest.raises(SystemExit):
+        main()
+    assert capsys.readouterr().err.startswith("cupy-moe demo: error: argument --tokens")
+    monkeypatch.setattr(sys, "argv", ["/x/cupy_moe/__main__.py", "inspect", str(tmp_path / "nowhere")])
+    assert main() == 2
+    assert capsys.readouterr().err.startswith("python -m cupy_moe inspect: error: ")
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "No", "OFF", " off "])
+def test_debug_variable_off_values(monkeypatch, capsys, tmp_path, value):
+    monkeypatch.setenv("CUPY_MOE_DEBUG", value)
+    one_line_error(capsys, ["inspect", str(tmp_path / "nowhere")], "no such folder")
+
+
+@pytest.mark.parametrize("value", ["1", "yes", "true", "on"])
+def test_debug_variable_on_values(monkeypatch, tmp_path, value):
+    monkeypatch.setenv("CUPY_MOE_DEBUG", value)
+    with pytest.raises(cli.CliError):
+        main(["inspect", str(tmp_path / "nowhere")])
+
+
 # ------------------------------------------------------------------------------------------------------ tune
+
+
+def test_tune_drops_repeated_models_and_token_counts():
+    args = cli.parse(["tune", "--models", "mixtral-8x7b,DeepSeek-V3,Mixtral-8x7B", "--m", "16,1,16,4,1"])
+    assert args.models == ["Mixtral-8x7B", "DeepSeek-V3"] and args.m == (16, 1, 4)
+
+
+def test_tune_checks_its_cache_folder_before_any_gpu_work(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(cli, "gpu_problem", lambda: pytest.fail("looked for a GPU before checking the cache"))
+    (tmp_path / "afile").write_text("x")
+    for path, needle in ((tmp_path / "afile", "got a file"), (tmp_path / "afile" / "sub", "cannot be created")):
+        monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(path))
+        one_line_error(capsys, ["tune", "--models", "Mixtral-8x7B"], "CUPY_MOE_CACHE_DIR", str(path), needle)
+    monkeypatch.setattr(cli, "require_gpu", lambda: None)  # --dry-run saves nothing: no cache folder needed
+    monkeypatch.setattr("cupy_moe.tune.tune", lambda models, ms, **kw: {})
+    assert main(["tune", "--models", "Mixtral-8x7B", "--dry-run"]) == 0
 
 
 def test_tune_takes_model_names_in_any_case_and_shows_progress_only_on_a_terminal(monkeypatch, capsys):
@@ -212,6 +376,20 @@ def test_inspect_reports_a_missing_shard_once_and_exits_1(tmp_path, capsys):
     assert len(problems) == 1 and "model-00002-of-00002.safetensors" in problems[0], problems
 
 
+def test_inspect_json_is_strict_with_non_finite_numbers_as_strings(tmp_path, capsys):
+    write_checkpoint(tmp_path, family="deepseek_v3", num_layers=2, hidden=64, intermediate=128, num_experts=16,
+                     top_k=2, extra_config={"routed_scaling_factor": float("nan")}, return_weights=False)
+    main(["inspect", str(tmp_path), "--json"])
+
+    def refuse(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    info = json.loads(capsys.readouterr().out, parse_constant=refuse)
+    assert info["routing"]["routed_scaling_factor"]["value"] == "NaN"
+    from cupy_moe._inspect_text import finite_json
+    assert finite_json({"a": [float("inf"), -float("inf"), 1.5, "x"]}) == {"a": ["Infinity", "-Infinity", 1.5, "x"]}
+
+
 def test_debug_shows_the_traceback(tmp_path):
     proc = run("-m", "cupy_moe", "inspect", str(tmp_path / "nowhere"), status=2)
     assert proc.stderr.strip() == f"python -m cupy_moe inspect: error: {tmp_path / 'nowhere'}: no such folder"
@@ -246,6 +424,10 @@ def test_bench_checks_its_token_counts_before_any_gpu_work():
     pytest.importorskip("cupy")
     err = run("-m", "cupy_moe", "bench", "--m", "1,x", status=2).stderr
     assert "bench_gemm.py: error: --m: expected positive token counts, comma-separated, got '1,x'" in err
+    for args, message in ((["--phases", "up"], "--phases: expected gate_up and/or down, comma-separated, got 'up'"),
+                          (["--iters", "0"], "--iters: expected a positive int, got 0"),
+                          (["--json", "/no/such/folder/x.json"], "--json: expected a file in an existing folder")):
+        assert message in run("-m", "cupy_moe", "bench", *args, status=2).stderr
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a GPU")
@@ -266,6 +448,20 @@ def test_bench_outside_a_checkout_says_how_to_get_it(monkeypatch, capsys, tmp_pa
 def test_quickstart_checks_its_output():
     out = run(str(REPO / "examples" / "quickstart.py")).stdout
     assert "relative L2 error vs float64" in out
+
+
+def test_quickstart_checks_under_python_O_too():
+    # a reference made wrong on purpose: the example must fail, also when asserts are off
+    script = ("import runpy, cupy_moe.testing as t; real = t.dense_layer_output; "
+              "t.dense_layer_output = lambda layer, x: 2 * real(layer, x); "
+              f"runpy.run_path({str(REPO / 'examples' / 'quickstart.py')!r}, run_name='__main__')")
+    proc = run("-O", "-c", script, status=1)
+    assert "FAILED: relative L2 error" in proc.stderr
+
+
+def test_all_layers_refuses_a_missing_folder_in_one_line(tmp_path):
+    proc = run(str(REPO / "examples" / "all_layers.py"), str(tmp_path / "nowhere"), status=2)
+    assert proc.stderr.count("\n") == 1 and "nowhere: expected a checkpoint folder, no such folder" in proc.stderr
 
 
 def test_all_layers_runs_every_layer():

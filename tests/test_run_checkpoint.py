@@ -44,3 +44,10 @@ def test_a_repository_id_gets_a_download_hint(tmp_path):
             "download it first, e.g. `hf download someone/Some-MoE-GPTQ-Int4 --local-dir DIR`") in err
     rc, out, err = run(tmp_path)
     assert rc == 2 and "no quantization config" in err
+
+
+@pytest.mark.parametrize("tokens", ["0", "-3"])
+def test_tokens_below_one_are_an_argument_error(tokens):
+    rc, out, err = run("--tokens", tokens)
+    assert rc == 2 and f"argument --tokens: expected a whole number >= 1, got {int(tokens)}" in err, out + err
+    assert "OK" not in out and "Traceback" not in err
