@@ -108,7 +108,7 @@ def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypat
     cache stays empty) and give bitwise the result of calls without one."""
     import cupy_moe.gemm as gemm_mod
     from cupy_moe import configs
-    h, inter, e, a = 2048, 768, 16, 4  # long K: the small-M phases split K
+    h, inter, e, a = 2048, 768, 16, 4  # long K: M = 1 splits K (the plan's workspace is used)
     w13 = cupy_moe.StackedGptqWeight.random(e, h, 2 * inter, seed=1)
     w2 = cupy_moe.StackedGptqWeight.random(e, inter, h, seed=2)
     rng = np.random.default_rng(5)
