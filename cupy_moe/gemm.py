@@ -84,12 +84,13 @@ class SplitKWorkspace:
     each tile's last CTA resets its ticket). Made once for the launches it serves and passed as
     `fused_moe_gemm(..., workspace=)`, a call allocates nothing but its output; without one, a call uses a
     workspace cached per device and stream, grown when a launch needs more. One workspace serves one stream at a
-    time."""
+    time; it is zeroed before the constructor returns, so that stream may be any."""
 
     def __init__(self, partials: int, tickets: int):
         cp = require_gpu("SplitKWorkspace")
         self.partials = cp.empty(max(0, int(partials)), cp.float32)
         self.tickets = cp.zeros(max(0, int(tickets)), cp.int32)
+        cp.cuda.get_current_stream().synchronize()  # the zeroing ran on this stream; another may use the tickets
 
     @staticmethod
     def size(config, k: int, n: int, pairs: int, num_experts: int, one_pair: bool = False) -> tuple[int, int]:

@@ -130,7 +130,7 @@ def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypat
     cache stays empty) and give bitwise the result of calls without one."""
     import cupy_moe.gemm as gemm_mod
     from cupy_moe import configs
-    h, inter, e, a = 2048, 768, 16, 4  # long K: the small-M phases split K
+    h, inter, e, a = 2048, 768, 16, 4  # long K: M = 1 splits K (the plan's workspace is used)
     w13 = cupy_moe.StackedGptqWeight.random(e, h, 2 * inter, seed=1)
     w2 = cupy_moe.StackedGptqWeight.random(e, inter, h, seed=2)
     rng = np.random.default_rng(5)
@@ -143,7 +143,8 @@ def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypat
         plan = cupy_moe.plan_moe(m, w13, w2, a)
         split += plan.workspace.partials.size > 0
         assert plan.up == configs.choose_config(m, e, a, h, 2 * inter, 4, 128, 16 if m == 1 else None)
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = cp.cuda.Stream(non_blocking=True)  # the plan's workspace is ready for any stream
+        cp.cuda.get_current_stream().synchronize()  # the inputs and `plain` were made on this one
 
         def no_choice(*args, **kw):
             raise AssertionError("a configuration was chosen")
