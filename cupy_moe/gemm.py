@@ -136,7 +136,7 @@ def _block_size(sorted_token_ids, expert_ids):
     return 16 if sorted_token_ids is None else int(np.size(sorted_token_ids)) // blocks
 
 
-def _check_device_weight(cp, weight, a, a_pair_order):
+def _check_device_weight(weight, a, a_pair_order):
     """What the kernels need of the weight beyond its own validation: on this device, 4 or 8 bits, K matching a,
     K, N and the group size in whole 32-wide chunks."""
     if not isinstance(weight, StackedGptqWeight):
@@ -241,7 +241,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     # ---- check (the weight validated its own arrays when it was made; what is checked here is this launch's)
     bf16 = a.dtype.name == "bfloat16"
     _check_dev_array(cp, "a", a, a.dtype, 2, "[M, K]")
-    _check_device_weight(cp, weight, a, a_pair_order)
+    _check_device_weight(weight, a, a_pair_order)
     bits, gs, e, k, n = weight.bits, weight.group_size, weight.num_experts, weight.k, weight.n
     m = a.shape[0]
     group_len, num_groups = weight.group_len, weight.num_groups
