@@ -8,7 +8,8 @@ from . import reference
 from .align import moe_align_block_size
 from .checkpoint import inspect_checkpoint
 from .gemm import SplitKWorkspace, fused_moe_gemm
-from .layer import MoELayer, MoEPlan, fused_moe, load_moe_layer, load_moe_model, plan_moe, select_experts
+from .layer import (MoELayer, MoEPlan, fused_moe, load_moe_layer, load_moe_model, plan_moe, route_experts,
+                    select_experts)
 from .weights import StackedGptqWeight
 from ._xp import gpu_available
 
@@ -23,6 +24,7 @@ __all__ = [
     "plan_moe",
     "MoEPlan",
     "select_experts",
+    "route_experts",
     "MoELayer",
     "load_moe_layer",
     "load_moe_model",

@@ -4,7 +4,8 @@ Legend: M tokens, H hidden size, I expert intermediate size, E experts, A top-k,
 
 NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
 
-    router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32
+    router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32   one launch
+                         (DeepSeek's scoring, bias and groups: route_experts, one launch)
     topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only;
                                        skipped at M = 1: the GEMMs take one pair per block;
                                        done again for the down phase when it picks another block size)
@@ -28,16 +29,17 @@ from .align import moe_align_block_size
 from .gemm import SplitKWorkspace, fused_moe_gemm, take_stream_workspace
 from .weights import StackedGptqWeight
 
-__all__ = ["select_experts", "fused_moe", "plan_moe", "MoEPlan", "MoELayer", "CapturedForward", "capture",
-           "load_moe_layer", "load_moe_model"]
+__all__ = ["select_experts", "route_experts", "fused_moe", "plan_moe", "MoEPlan", "MoELayer", "CapturedForward",
+           "capture", "load_moe_layer", "load_moe_model"]
 
 _FILE = "moe_layer.cu"
 _THREADS = 256
 _MAX_GRID = 132 * 16  # grid-stride loops: enough CTAs to fill an H100/H200 several times over
 _CTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "float"}  # element types of kernels/moe_layer.cu
 # Every instance the launchers below can ask for (the NVRTC compile test builds each one).
-KERNEL_NAMES = ([f"select_experts<{t}>" for t in ("float", "f16", "bf16")]
-                + [f"{k}<{t}>" for k in ("silu_and_mul", "moe_sum") for t in ("f16", "bf16")]
+KERNEL_NAMES = (["route_experts"] + [f"select_experts<{t}>" for t in ("float", "f16", "bf16")]
+                + [f"silu_and_mul<{t}>" for t in ("f16", "bf16")]
+                + [f"moe_sum<{t}, {i}>" for t in ("f16", "bf16") for i in ("int", "long long")]
                 + [f"router_logits<{x}, {w}>" for x in ("f16", "bf16") for w in ("f16", "float")])
 
 
@@ -70,24 +72,35 @@ def select_experts(router_logits, top_k, renormalize=False):
     """
     check_input("router_logits", router_logits, ("float16", "bfloat16", "float32"), "[M, E]")
     _check_matrix("router_logits", router_logits, "[M, E]")
-    m, e = router_logits.shape
-    # the kernel's limits, on both paths (a script prototyped on NumPy moves to CuPy unchanged)
+    _check_top_k(router_logits, top_k)  # the kernel's limits, on both paths (a NumPy script moves over unchanged)
+    if not is_device_array(router_logits):
+        return reference.select_experts(router_logits, top_k, renormalize)
+    ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
+    return _launch_per_token(f"select_experts<{ctype}>", router_logits, top_k, (np.int32(bool(renormalize)),))
+
+
+def _check_top_k(router_logits, top_k):
+    """The routing kernels' limits, checked on both paths: E <= 1024 (a warp's shared memory), A <= 32 (one slot
+    per lane)."""
+    e = router_logits.shape[1]
     if not 1 <= e <= 1024:
         raise ValueError(f"router_logits: expected 1 <= E <= 1024 experts, got E={e}")
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 1 <= top_k <= min(e, 32):
         raise ValueError(f"top_k: expected an int in [1, min(E, 32)] = [1, {min(e, 32)}], got {top_k!r}")
-    if not is_device_array(router_logits):
-        return reference.select_experts(router_logits, top_k, renormalize)
-    cp = require_gpu("select_experts on CuPy arrays")
-    ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
-    logits = cp.ascontiguousarray(router_logits)
+
+
+def _launch_per_token(name, router_logits, top_k, extra):
+    """topk_weights float32 [M, A] and topk_ids int32 [M, A] from a routing kernel of kernels/moe_layer.cu: one
+    warp per token, E floats of shared memory per warp, arguments (logits, weights, ids, M, E, A, *extra)."""
+    cp = require_gpu(f"{name.split('<')[0]} on CuPy arrays")
+    m, e = router_logits.shape
     weights = cp.empty((m, top_k), cp.float32)
     ids = cp.empty((m, top_k), cp.int32)
     if m:
         warps = _THREADS // 32
-        _compile.launch(_compile.get_kernel(_FILE, f"select_experts<{ctype}>"), (-(-m // warps),), (_THREADS,),
-                        (logits, weights, ids, np.int32(m), np.int32(e), np.int32(top_k), np.int32(bool(renormalize))),
-                        warps * e * 4)
+        _compile.launch(_compile.get_kernel(_FILE, name), (-(-m // warps),), (_THREADS,),
+                        (cp.ascontiguousarray(router_logits), weights, ids, np.int32(m), np.int32(e),
+                         np.int32(top_k), *extra), warps * e * 4)
     return weights, ids
 
 
@@ -107,6 +120,95 @@ def _linear_f32(x, w):
         _compile.launch(_compile.get_kernel(_FILE, name), (-(-m * e // warps),), (_THREADS,),
                         (cp.ascontiguousarray(x), cp.ascontiguousarray(w), out, np.int32(m), np.int32(e), np.int32(h)))
     return out
+
+
+_GROUP_MODES = {"group_limited_greedy": 1, "noaux_tc": 2}  # route_experts' group score: best, sum of the two best
+
+
+def _route_numpy(logits, top_k, scoring_func, bias, group_mode, n_group, topk_group, renormalize, scaling):
+    """route_experts on the host: the definition the route_experts kernel mirrors (float32 throughout)."""
+    m, e = logits.shape
+    if scoring_func == "sigmoid":
+        scores = 1.0 / (1.0 + np.exp(-logits))
+    else:
+        z = np.exp(logits - logits.max(axis=1, keepdims=True))
+        scores = z / z.sum(axis=1, keepdims=True)
+    choice = scores if bias is None else scores + bias
+
+    def take_top(values, k):  # [M, X] -> indices [M, k] by repeated argmax (ties to the lower index), and values
+        picked = []           # with those entries masked to -inf
+        for _ in range(k):
+            idx = values.argmax(axis=1)
+            picked.append(idx)
+            values = np.where(np.arange(values.shape[1])[None, :] == idx[:, None], -np.inf, values)
+        return np.stack(picked, axis=1), values
+
+    if group_mode:
+        per_group = choice.reshape(m, n_group, e // n_group)                # [M, groups, E/groups]
+        group_score = per_group.max(axis=2)                                 # mode 1 (V2): its best expert
+        if group_mode == 2:                                                 # V3: the sum of its two best
+            _, rest = take_top(per_group.reshape(m * n_group, e // n_group), 1)
+            group_score = group_score + rest.reshape(m, n_group, e // n_group).max(axis=2)
+        kept, _ = take_top(group_score, topk_group)                         # [M, topk_group]
+        keep = (np.arange(n_group)[None, :, None] == kept[:, None, :]).any(axis=2)  # [M, groups]
+        # Experts of the other groups score 0, as in transformers' and DeepSeek's own routers.
+        choice = np.where(keep[:, :, None], per_group, np.float32(0)).reshape(m, e)
+    ids, _ = take_top(choice, top_k)
+    ids = ids.astype(np.int32)
+    weights = np.take_along_axis(scores, ids, axis=1).astype(np.float32)
+    if renormalize:
+        weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(1e-20))
+    if scaling != 1.0:
+        weights = weights * np.float32(scaling)
+    return weights, ids
+
+
+def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_correction_bias=None,
+                  topk_method="greedy", n_group=None, topk_group=None, renormalize=False,
+                  routed_scaling_factor=1.0):
+    """The routing of DeepSeek's config.json keys (and the plain softmax top-k with them at their defaults).
+
+    router_logits: float32 [M, E], E <= 1024. top_k: A, 1 <= A <= min(E, 32).
+    scoring_func: "softmax" or "sigmoid" scores. e_score_correction_bias: float32 [E] or None, added to the scores
+    to choose experts (the weights stay the scores). topk_method: "greedy" (or None), or with n_group > 1 groups of
+    E / n_group experts "group_limited_greedy" (a group scores its best expert) or "noaux_tc" (the sum of its two
+    best): only the topk_group best groups' experts can be chosen. Ties go to the lower index, for groups and
+    experts. renormalize: weights / (their sum + 1e-20); then times routed_scaling_factor.
+    Returns topk_weights float32 [M, A] and topk_ids int32 [M, A]: one kernel launch on the GPU. The kernel's
+    limits (E, A, n_group <= 32) hold on both paths.
+    """
+    check_input("router_logits", router_logits, ("float32",), "[M, E]")
+    _check_matrix("router_logits", router_logits, "[M, E]")
+    m, e = router_logits.shape
+    device = is_device_array(router_logits)
+    _check_top_k(router_logits, top_k)  # the kernel's limits, on both paths
+    if scoring_func not in ("softmax", "sigmoid"):
+        raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
+    if topk_method not in (None, "greedy", *_GROUP_MODES):
+        raise ValueError(f"topk_method: expected 'greedy', 'group_limited_greedy' or 'noaux_tc', got {topk_method!r}")
+    groups = n_group or 1
+    group_mode = _GROUP_MODES.get(topk_method, 0) if groups > 1 else 0
+    if group_mode:
+        if e % groups or groups > 32:
+            raise ValueError(f"n_group: expected a divisor of E = {e} of at most 32, got {n_group!r}")
+        if group_mode == 2 and e // groups < 2:
+            raise ValueError(f"n_group: expected groups of at least 2 experts with topk_method 'noaux_tc' (a group "
+                             f"scores its two best), got E = {e}, n_group = {groups}")
+        if isinstance(topk_group, bool) or not isinstance(topk_group, (int, np.integer)) or not (
+                1 <= topk_group <= groups):
+            raise ValueError(f"topk_group: expected an int in [1, n_group = {groups}], got {topk_group!r}")
+    bias = e_score_correction_bias
+    if bias is not None:
+        check_input("e_score_correction_bias", bias, ("float32",), "[E]", ndim=(1,))
+        if bias.shape != (e,) or is_device_array(bias) != device:
+            raise ValueError(f"e_score_correction_bias: expected float32 [E] = [{e}] where router_logits is, got "
+                             f"{type(bias).__name__} {bias.shape}")
+    if not device:
+        return _route_numpy(router_logits, int(top_k), scoring_func, bias, group_mode, groups, topk_group,
+                            renormalize, routed_scaling_factor)
+    return _launch_per_token("route_experts", router_logits, top_k, (
+        np.uintp(0) if bias is None else bias.ravel(), np.int32(scoring_func == "sigmoid"), np.int32(group_mode),
+        np.int32(groups), np.int32(topk_group or 1), np.int32(bool(renormalize)), np.float32(routed_scaling_factor)))
 
 
 def _check_weights(w13, w2):
@@ -212,8 +314,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
 
     hidden_states: float16 or bfloat16 [M, H]. w13: StackedGptqWeight [E, H*bits/32, 2I] (gate columns, then
     up). w2: StackedGptqWeight [E, I*bits/32, H]. topk_weights: float32 [M, A]. topk_ids: int32/int64 [M, A] in
-    [0, E): not checked on the GPU (that needs a host synchronization), where a token with an id outside gets an
-    undefined output row; the NumPy path raises.
+    [0, E): not checked on the GPU (that needs a host synchronization), where a slot with an id outside adds
+    nothing to its token's row; the NumPy path raises.
     out: [M, H] of hidden_states' dtype to write into, or None.
     Returns [M, H] in hidden_states' dtype. Roundings as `cupy_moe.reference.fused_moe`: x1, act, x2 and the
     output are each rounded once to the dtype; everything between is float32.
@@ -262,8 +364,10 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
                     (x1, act, np.int64(p), np.int32(i), np.int32(plan.pair_order)))
     x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
                         a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
-    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}>"), _grid(m * h), (_THREADS,),
-                    (x2, out, np.int64(m), np.int32(a), np.int32(h)))
+    ids = cp.ascontiguousarray(topk_ids)  # the sum skips ids outside [0, E), as the GEMMs did
+    itype = "int" if ids.dtype == np.int32 else "long long"
+    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}, {itype}>"), _grid(m * h), (_THREADS,),
+                    (x2, ids, out, np.int64(m), np.int32(a), np.int32(h), np.int32(e)))
     return out
 
 
@@ -351,59 +455,19 @@ class MoELayer:
         """topk_weights float32 [M, A] and topk_ids int32 [M, A] for hidden_states [M, H]."""
         self._check_input(hidden_states)
         w = self.weights
-        xp = _xp_of(hidden_states)
         logits = _linear_f32(hidden_states, w.router_weight)  # [M, E] float32
         if w.router_bias is not None:
             logits += w.router_bias
-        grouped = w.topk_method in ("group_limited_greedy", "noaux_tc") and (w.n_group or 1) > 1
+        grouped = w.topk_method in _GROUP_MODES and (w.n_group or 1) > 1
         if w.scoring_func == "softmax" and w.e_score_correction_bias is None and not grouped:
             weights, ids = select_experts(logits, w.top_k, w.renormalize)
-        else:
-            weights, ids = self._route_scores(xp, logits, grouped)
-        if w.routed_scaling_factor != 1.0:
-            weights = weights * np.float32(w.routed_scaling_factor)
-        return weights, ids
-
-    def _route_scores(self, xp, logits, grouped):
-        """DeepSeek-style routing: sigmoid or softmax scores, optional bias and group limit, then top-k."""
-        w = self.weights
-        m, e = logits.shape
-        if w.scoring_func == "sigmoid":
-            scores = 1.0 / (1.0 + xp.exp(-logits))
-        elif w.scoring_func == "softmax":
-            z = xp.exp(logits - logits.max(axis=1, keepdims=True))
-            scores = z / z.sum(axis=1, keepdims=True)
-        else:
-            raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {w.scoring_func!r}")
-        choice = scores if w.e_score_correction_bias is None else scores + w.e_score_correction_bias
-        # Top-k by repeated argmax (first maximum = lower index on ties): elementwise and reduction kernels only,
-        # so the GPU version needs no sort and stays capturable in a CUDA graph.
-        def take_top(values, k):  # [M, X] -> indices [M, k], and values with those entries masked to -inf
-            picked = []
-            for _ in range(k):
-                idx = values.argmax(axis=1)
-                picked.append(idx)
-                values = xp.where(xp.arange(values.shape[1])[None, :] == idx[:, None], -xp.inf, values)
-            return xp.stack(picked, axis=1), values
-
-        if grouped:
-            per_group = choice.reshape(m, w.n_group, e // w.n_group)           # [M, groups, E/groups]
-            first = per_group.max(axis=2)
-            if w.topk_method == "noaux_tc":  # V3: a group scores the sum of its two best experts
-                _, rest = take_top(per_group.reshape(m * w.n_group, e // w.n_group), 1)
-                group_score = first + rest.reshape(m, w.n_group, e // w.n_group).max(axis=2)
-            else:                            # V2: a group scores its best expert
-                group_score = first
-            kept, _ = take_top(group_score, w.topk_group)                    # [M, topk_group]
-            keep = (xp.arange(w.n_group)[None, :, None] == kept[:, None, :]).any(axis=2)  # [M, groups]
-            # Experts of the other groups score 0, as in transformers' and DeepSeek's own routers.
-            choice = xp.where(keep[:, :, None], per_group, np.float32(0)).reshape(m, e)
-        ids, _ = take_top(choice, w.top_k)
-        ids = ids.astype(np.int32)
-        weights = xp.take_along_axis(scores, ids, axis=1).astype(np.float32)
-        if w.renormalize:
-            weights = weights / (weights.sum(axis=1, keepdims=True) + np.float32(1e-20))
-        return weights, ids
+            if w.routed_scaling_factor != 1.0:
+                weights = weights * np.float32(w.routed_scaling_factor)
+            return weights, ids
+        return route_experts(logits, w.top_k, scoring_func=w.scoring_func,
+                             e_score_correction_bias=w.e_score_correction_bias, topk_method=w.topk_method,
+                             n_group=w.n_group, topk_group=w.topk_group, renormalize=w.renormalize,
+                             routed_scaling_factor=w.routed_scaling_factor)
 
     def __call__(self, hidden_states):
         """The layer's output [M, H] in hidden_states' dtype (float16 or bfloat16 on the GPU)."""

@@ -1,5 +1,6 @@
 // The small kernels around the two GEMM phases of one MoE layer:
 //   select_experts  router logits [M, E] -> topk_weights [M, A] fp32, topk_ids [M, A] int32
+//   route_experts   the same for DeepSeek-style routing: sigmoid or softmax scores, a selection bias, group limits
 //   silu_and_mul    gate/up output [P, 2I] -> SiLU(gate) * up [P, I]
 //   moe_sum         down output [M*A, H] (routing weights already applied by the GEMM) -> [M, H]
 // Each mirrors cupy_moe.reference exactly in where it rounds: float32 math, one rounding to T at the end.
@@ -40,6 +41,28 @@ __device__ __forceinline__ void argmax_step(float& v, int& i, float ov, int oi) 
   if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
 }
 
+// The warp's best (v, i) by a fixed butterfly: every lane ends with the same pair (bitwise reproducible).
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1)
+    argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+}
+
+// Takes the best of a warp's row of E values in shared memory (lane l holds entries l, l + 32, ...): returns its
+// value, sets `id` (every lane) and marks it taken (-inf) so that the next call finds the next best. A row of NaN
+// finds none: id 0, so that ids and every access stay in range.
+__device__ __forceinline__ float take_best(float* row_e, int E, int lane, int& id) {
+  float v = neg_inf();
+  int i = 0x7fffffff;
+  for (int e = lane; e < E; e += 32) argmax_step(v, i, row_e[e], e);
+  warp_argmax(v, i);
+  if (i >= E) i = 0;
+  __syncwarp();
+  if (lane == (i & 31)) row_e[i] = neg_inf();
+  __syncwarp();
+  id = i;
+  return v;
+}
+
 }  // namespace
 
 // One warp per token. Probabilities live in shared memory ([WARPS, E] floats), so E <= 1024 fits in
@@ -70,19 +93,93 @@ __global__ void select_experts(const T* __restrict__ logits_me, float* __restric
   float w_slot = 0.f;  // lane s keeps the weight of slot s (A <= 32 is checked by the launcher)
   int id_slot = 0;
   for (int s = 0; s < A; ++s) {
-    float v = neg_inf();
-    int i = 0x7fffffff;
-    for (int e = lane; e < E; e += 32) argmax_step(v, i, p_e[e], e);
-    for (int o = 16; o > 0; o >>= 1)
-      argmax_step(v, i, __shfl_xor_sync(0xffffffffu, v, o), __shfl_xor_sync(0xffffffffu, i, o));
+    int i;
+    const float v = take_best(p_e, E, lane, i);
     if (lane == s) { w_slot = v; id_slot = i; }
     picked += v;
-    __syncwarp();
-    if (lane == (i & 31)) p_e[i] = neg_inf();  // taken: never chosen again
-    __syncwarp();
   }
   if (lane < A) {
     weights_ma[static_cast<long long>(m) * A + lane] = renormalize ? w_slot / picked : w_slot;
+    ids_ma[static_cast<long long>(m) * A + lane] = id_slot;
+  }
+}
+
+// DeepSeek-style routing, one warp per token, as cupy_moe.layer's NumPy definition (_route_numpy) computes it:
+//   score[e] = softmax(logits)[e] (scoring 0) or sigmoid(logits[e]) (scoring 1); choice[e] = score[e] + bias[e]
+//   (bias null: score[e]); with groups (group_mode 1: a group scores its best choice, 2: the sum of its two best;
+//   n_group <= 32 groups of E / n_group experts) only the topk_group best groups stay, the choices of the others
+//   become 0; the A best choices are picked (ties to the lower index, groups too); weight = score (not choice),
+//   divided by (sum of the A weights + 1e-20) when renormalize, then times scaling.
+// choice lives in shared memory ([WARPS, E] floats, as select_experts).
+__global__ void route_experts(const float* __restrict__ logits_me, float* __restrict__ weights_ma,
+                              int* __restrict__ ids_ma, int M, int E, int A, const float* __restrict__ bias_e,
+                              int scoring, int group_mode, int n_group, int topk_group, int renormalize,
+                              float scaling) {
+  pdl::enter();
+  extern __shared__ float choice[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int m = blockIdx.x * (blockDim.x >> 5) + warp;
+  if (m >= M) return;
+  float* c_e = choice + warp * E;
+  const float* row = logits_me + static_cast<long long>(m) * E;
+
+  float mx = neg_inf(), sum = 0.f;  // softmax: the row's maximum and the sum of exp(logit - max)
+  if (scoring == 0) {
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, row[e]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    for (int e = lane; e < E; e += 32) sum += expf(row[e] - mx);
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  auto score = [&](int e) {
+    const float x = row[e];
+    return scoring == 0 ? expf(x - mx) / sum : 1.0f / (1.0f + expf(-x));
+  };
+  for (int e = lane; e < E; e += 32) c_e[e] = bias_e ? score(e) + bias_e[e] : score(e);
+  __syncwarp();
+
+  if (group_mode != 0) {
+    const int size = E / n_group;
+    float gs = neg_inf();  // lane g < n_group: the score of group g
+    if (lane < n_group) {
+      float v1 = neg_inf(), v2 = neg_inf();  // its best choice, and the best of the others (a tie counts twice)
+      for (int j = 0; j < size; ++j) {
+        const float x = c_e[lane * size + j];
+        if (x > v1) {
+          v2 = v1;
+          v1 = x;
+        } else {
+          v2 = fmaxf(v2, x);
+        }
+      }
+      gs = group_mode == 2 ? v1 + v2 : v1;
+    }
+    unsigned kept = 0u;
+    for (int s = 0; s < topk_group; ++s) {  // a group taken scores -inf from then on, as in the NumPy definition
+      float v = (kept >> lane) & 1u ? neg_inf() : gs;
+      int i = lane;
+      warp_argmax(v, i);
+      kept |= 1u << i;
+    }
+    for (int e = lane; e < E; e += 32)
+      if (!((kept >> (e / size)) & 1u)) c_e[e] = 0.f;
+    __syncwarp();
+  }
+
+  int id_slot = 0;  // lane s keeps the expert of slot s (A <= 32 is checked by the launcher)
+  for (int s = 0; s < A; ++s) {
+    int i;
+    take_best(c_e, E, lane, i);
+    if (lane == s) id_slot = i;
+  }
+  float w = lane < A ? score(id_slot) : 0.f;
+  if (renormalize) {
+    float picked = w;
+    for (int o = 16; o > 0; o >>= 1) picked += __shfl_xor_sync(0xffffffffu, picked, o);
+    w = w / (picked + 1e-20f);
+  }
+  if (lane < A) {
+    weights_ma[static_cast<long long>(m) * A + lane] = w * scaling;
     ids_ma[static_cast<long long>(m) * A + lane] = id_slot;
   }
 }
@@ -105,9 +202,11 @@ __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi
   }
 }
 
-// out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T.
-template <typename T>
-__global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, long long M, int A, int H) {
+// out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T; a slot whose expert
+// id is outside [0, E) adds nothing (the GEMMs skip such pairs, so their rows of x were never written).
+template <typename T, typename I>
+__global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_ma, T* __restrict__ out_mh,
+                        long long M, int A, int H, int E) {
   pdl::enter();
   const long long total = M * H;
   for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
@@ -115,7 +214,10 @@ __global__ void moe_sum(const T* __restrict__ x_pah, T* __restrict__ out_mh, lon
     const long long m = t / H;
     const int h = static_cast<int>(t - m * H);
     float acc = 0.f;
-    for (int s = 0; s < A; ++s) acc += to_float(x_pah[(m * A + s) * H + h]);
+    for (int s = 0; s < A; ++s) {
+      const I e = ids_ma[m * A + s];
+      if (e >= 0 && e < E) acc += to_float(x_pah[(m * A + s) * H + h]);
+    }
     out_mh[t] = from_float<T>(acc);
   }
 }

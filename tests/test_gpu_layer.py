@@ -103,6 +103,28 @@ def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
             cp.testing.assert_array_equal(direct, aligned)
 
 
+@pytest.mark.parametrize("m,dtype", [(1, np.int32), (1, np.int64), (5, np.int32), (300, np.int64)])
+def test_fused_moe_slots_with_ids_outside_the_experts_add_nothing(tmp_path, m, dtype):
+    """ids outside [0, E) are not checked on the GPU (a host sync): their slots add nothing, as if their weight were
+    zero (the NumPy path, which raises on them, computes that with a valid id and weight 0)."""
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, H)).astype(np.float16)
+    weights, ids = reference.select_experts(rng.standard_normal((m, E)).astype(np.float32), 4, True)
+    bad = np.zeros_like(ids, bool)
+    bad[:, 1] = True
+    bad[0, 3] = True
+    ids_bad = np.where(bad, np.array([-1, E, 2**31 - 1, -7])[np.arange(m)[:, None] % 4], ids).astype(dtype)
+    if dtype == np.int64:
+        ids_bad[0, 1] = 2**32 + 1  # would wrap to a valid id as int32
+    want = reference.fused_moe(x, host.w13, host.w2, np.where(bad, 0, weights).astype(np.float32), ids)
+    got = fused_moe(cp.asarray(x), w13, w2, cp.asarray(weights), cp.asarray(ids_bad))
+    assert rel_l2(cp.asnumpy(got).astype(np.float32), want.astype(np.float32)) <= REL_L2["float16"]
+
+
 def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypatch):
     """A plan made once: calls with it choose no configuration, use the plan's split-K workspace (the per-stream
     cache stays empty) and give bitwise the result of calls without one."""
@@ -203,10 +225,57 @@ def test_select_experts_gpu(e, a, renormalize, logits_dtype):
     np.testing.assert_allclose(cp.asnumpy(got_w), want_w, rtol=2e-6, atol=1e-7)
 
 
+ROUTINGS = [  # (E, A, scoring, bias, topk_method, n_group, topk_group, renormalize, routed_scaling_factor)
+    (256, 8, "sigmoid", True, "noaux_tc", 8, 4, True, 2.5),
+    (160, 6, "softmax", False, "group_limited_greedy", 8, 3, False, 16.0),
+    (64, 6, "softmax", False, "greedy", 1, 1, False, 1.0),
+    (64, 4, "sigmoid", True, "greedy", None, None, True, 1.0),
+    (1024, 32, "sigmoid", True, "noaux_tc", 32, 8, True, 1.0),
+    (7, 3, "softmax", True, None, None, None, False, 1.0),
+]
+
+
+@pytest.mark.parametrize("e,a,scoring,bias,method,n_group,topk_group,renormalize,scale", ROUTINGS)
+def test_route_experts_gpu_matches_numpy(e, a, scoring, bias, method, n_group, topk_group, renormalize, scale):
+    """One launch gives the experts of the NumPy definition, and their weights to float32 rounding."""
+    from cupy_moe.layer import route_experts
+    rng = np.random.default_rng(e * 10 + a)
+    logits = (rng.standard_normal((97, e)) * 2).astype(np.float32)
+    b = (rng.standard_normal(e) * 0.1).astype(np.float32) if bias else None
+    kw = dict(scoring_func=scoring, topk_method=method, n_group=n_group, topk_group=topk_group,
+              renormalize=renormalize, routed_scaling_factor=scale)
+    want_w, want_ids = route_experts(logits, a, e_score_correction_bias=b, **kw)
+    got_w, got_ids = route_experts(cp.asarray(logits), a, e_score_correction_bias=None if b is None else cp.asarray(b),
+                                   **kw)
+    assert got_w.dtype == np.float32 and got_ids.dtype == np.int32 and got_ids.shape == (97, a)
+    np.testing.assert_array_equal(cp.asnumpy(got_ids), want_ids)
+    np.testing.assert_allclose(cp.asnumpy(got_w), want_w, rtol=1e-5, atol=1e-7)
+
+
+def test_route_experts_gpu_ties_and_nan_rows():
+    """Equal scores go to the lower group and expert; a row of NaN logits still gives expert ids in range."""
+    from cupy_moe.layer import route_experts
+    logits = cp.zeros((3, 16), cp.float32)
+    logits[2] = cp.nan
+    _, ids = route_experts(logits, 4, scoring_func="sigmoid", topk_method="noaux_tc", n_group=4, topk_group=2)
+    ids = cp.asnumpy(ids)
+    np.testing.assert_array_equal(ids[:2], np.tile(np.arange(4), (2, 1)))
+    assert ((ids[2] >= 0) & (ids[2] < 16)).all()
+
+
 def test_select_experts_gpu_ties_go_to_the_lower_expert():
     logits = cp.zeros((3, 16), cp.float32)
     _, ids = select_experts(logits, 4, False)
     np.testing.assert_array_equal(cp.asnumpy(ids), np.tile(np.arange(4), (3, 1)))
+
+
+def test_select_experts_gpu_nan_rows_stay_in_range():
+    logits = cp.asarray(np.random.default_rng(0).standard_normal((4, 40)).astype(np.float32))
+    logits[1, 7] = cp.nan  # one NaN logit makes the whole softmax row NaN
+    _, ids = select_experts(logits, 5, True)
+    ids = cp.asnumpy(ids)
+    assert ((ids >= 0) & (ids < 40)).all()
+    np.testing.assert_array_equal(ids[[0, 2, 3]], reference.select_experts(cp.asnumpy(logits), 5, True)[1][[0, 2, 3]])
 
 
 def test_select_experts_gpu_rejects():

@@ -5,7 +5,7 @@ import pytest
 import cupy_moe
 from cupy_moe import reference
 from cupy_moe import configs
-from cupy_moe.layer import MoELayer, MoEPlan, fused_moe, plan_moe, select_experts
+from cupy_moe.layer import MoELayer, MoEPlan, fused_moe, plan_moe, route_experts, select_experts
 from cupy_moe.testing import dense_layer_output, write_checkpoint
 from cupy_moe.weights import StackedGptqWeight
 
@@ -92,6 +92,73 @@ def test_deepseek_v3_grouped_sigmoid_routing(tmp_path, topk_group):
         np.testing.assert_array_equal(ids[m], want)
         picked = scores[m, want]
         np.testing.assert_allclose(weights[m], picked / picked.sum() * w.routed_scaling_factor, rtol=1e-5)
+
+
+def _plain_route(logits, a, scoring, bias, method, n_group, topk_group, renormalize, scale):
+    """route_experts by plain Python sorts in float64, one token at a time."""
+    weights, ids = [], []
+    for row in logits.astype(np.float64):
+        z = np.exp(row - row.max())
+        scores = z / z.sum() if scoring == "softmax" else 1 / (1 + np.exp(-row))
+        choice = scores + (0 if bias is None else bias)
+        if method in ("group_limited_greedy", "noaux_tc") and n_group > 1:
+            size = len(row) // n_group
+            best = [sorted(choice[g * size:(g + 1) * size], reverse=True)[:2 if method == "noaux_tc" else 1]
+                    for g in range(n_group)]
+            kept = sorted(range(n_group), key=lambda g: (-sum(best[g]), g))[:topk_group]
+            choice = np.array([c if e // size in kept else 0.0 for e, c in enumerate(choice)])
+        pick = sorted(range(len(row)), key=lambda e: (-choice[e], e))[:a]
+        w = scores[pick]
+        if renormalize:
+            w = w / (w.sum() + 1e-20)
+        weights.append(w * scale)
+        ids.append(pick)
+    return np.array(weights), np.array(ids)
+
+
+ROUTINGS = [  # (E, A, scoring, bias, topk_method, n_group, topk_group, renormalize, routed_scaling_factor)
+    (256, 8, "sigmoid", True, "noaux_tc", 8, 4, True, 2.5),          # DeepSeek-V3
+    (160, 6, "softmax", False, "group_limited_greedy", 8, 3, False, 16.0),  # DeepSeek-V2
+    (64, 6, "softmax", False, "greedy", 1, 1, False, 1.0),              # DeepSeek-V2-Lite
+    (64, 4, "sigmoid", True, "greedy", None, None, True, 1.0),         # sigmoid scores, no groups
+    (32, 4, "softmax", True, "noaux_tc", 16, 2, True, 1.5),             # groups of two experts
+]
+
+
+@pytest.mark.parametrize("e,a,scoring,bias,method,n_group,topk_group,renormalize,scale", ROUTINGS)
+def test_route_experts_numpy_matches_plain_sorts(e, a, scoring, bias, method, n_group, topk_group, renormalize,
+                                                 scale):
+    rng = np.random.default_rng(e + a)
+    logits = (rng.standard_normal((40, e)) * 2).astype(np.float32)
+    b = (rng.standard_normal(e) * 0.1).astype(np.float32) if bias else None
+    kw = dict(scoring_func=scoring, e_score_correction_bias=b, topk_method=method, n_group=n_group,
+              topk_group=topk_group, renormalize=renormalize, routed_scaling_factor=scale)
+    weights, ids = route_experts(logits, a, **kw)
+    assert weights.dtype == np.float32 and ids.dtype == np.int32 and ids.shape == (40, a)
+    want_w, want_ids = _plain_route(logits, a, scoring, b, method, n_group or 1, topk_group, renormalize, scale)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_allclose(weights, want_w, rtol=1e-5)
+
+
+def test_route_experts_rejects_bad_arguments():
+    logits = np.zeros((2, 8), np.float32)
+    with pytest.raises(TypeError, match="router_logits: expected dtype float32, got float16"):
+        route_experts(logits.astype(np.float16), 2)
+    with pytest.raises(ValueError, match=r"top_k: expected an int in \[1, min\(E, 32\)\] = \[1, 8\], got 9"):
+        route_experts(logits, 9)
+    with pytest.raises(ValueError, match="scoring_func: expected 'softmax' or 'sigmoid', got 'relu'"):
+        route_experts(logits, 2, scoring_func="relu")
+    with pytest.raises(ValueError, match="topk_method: expected 'greedy', 'group_limited_greedy' or 'noaux_tc'"):
+        route_experts(logits, 2, topk_method="random")
+    with pytest.raises(ValueError, match="n_group: expected a divisor of E = 8 of at most 32, got 3"):
+        route_experts(logits, 2, topk_method="noaux_tc", n_group=3, topk_group=1)
+    with pytest.raises(ValueError, match="n_group: expected groups of at least 2 experts with topk_method "
+                                         "'noaux_tc'.*E = 8, n_group = 8"):
+        route_experts(logits, 2, topk_method="noaux_tc", n_group=8, topk_group=1)
+    with pytest.raises(ValueError, match=r"topk_group: expected an int in \[1, n_group = 4\], got 5"):
+        route_experts(logits, 2, topk_method="noaux_tc", n_group=4, topk_group=5)
+    with pytest.raises(ValueError, match=r"e_score_correction_bias: expected float32 \[E\] = \[8\]"):
+        route_experts(logits, 2, e_score_correction_bias=np.zeros(4, np.float32))
 
 
 def test_select_experts_numpy_is_the_reference():

@@ -2,21 +2,22 @@
 # One call that checks everything GPU-side and makes the performance figures; logs under $OUT:
 #   tests.log (the test suite), memcheck.log (compute-sanitizer over the GPU tests of the kernels),
 #   bench.txt + bench.json + performance.png (one GEMM phase against the roofline, as in docs/performance.md),
-#   layer.txt (a whole layer in a CUDA graph), demo.txt, tune.txt + tuned/ (python -m cupy_moe tune and the table it
-#   writes), examples.txt, compare.txt + compare.json (with OTHER=<another checkout>: tools/compare_versions.py);
+#   layer.txt (a whole layer in a CUDA graph), routing.txt (tools/time_routing.py, against $OTHER's when given),
+#   demo.txt, tune.txt + tuned/ (python -m cupy_moe tune and the table it writes), examples.txt,
+#   compare.txt + compare.json (with OTHER=<another checkout>: tools/compare_versions.py);
 #   when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py), ncu.txt +
 #   ncu_<row>.csv.gz (Nsight Compute on the first GEMM launch of each row of $NCU_ROWS, model:phase:M comma-separated:
 #   the details page, and per-instruction stall samples of the SASS).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
-# STAGES picks stages (default all but reads and ncu); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py, TUNE_ARGS to
-# python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
+# STAGES picks stages (default all but reads and ncu); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py,
+# TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
 # TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
 # tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-STAGES=${STAGES:-tests,memcheck,bench,compare,layer,demo,tune,examples}
+STAGES=${STAGES:-tests,memcheck,bench,compare,layer,routing,demo,tune,examples}
 summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
 
 stage() {  # stage NAME TIMEOUT LOG COMMAND...
@@ -48,6 +49,7 @@ stage bench "${BENCH_TIMEOUT:-550}" "$OUT/bench.txt" \
 [[ -n ${OTHER:-} ]] && stage compare "${COMPARE_TIMEOUT:-400}" "$OUT/compare.txt" \
   python3 tools/compare_versions.py "$OTHER" --json "$OUT/compare.json" ${COMPARE_ARGS:-}
 stage layer "${LAYER_TIMEOUT:-120}" "$OUT/layer.txt" python3 benchmarks/bench_layer.py --targets roofline
+stage routing "${ROUTING_TIMEOUT:-120}" "$OUT/routing.txt" python3 tools/time_routing.py ${OTHER:-}
 stage demo "${DEMO_TIMEOUT:-120}" "$OUT/demo.txt" python3 -m cupy_moe demo
 # the tuner writes this GPU's table (the format of cupy_moe/configs/tuned/) to $OUT/tuned/
 stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" env CUPY_MOE_CACHE_DIR="$OUT/tuned" \
