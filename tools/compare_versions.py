@@ -5,12 +5,13 @@ version's time, so that a refactor can be shown to keep results bitwise and spee
 
 OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
 package is imported as a second module next to this checkout's `cupy_moe`. Rows are (model, phase, M) as in
-benchmarks/bench_gemm.py, on random 4-bit weights (G = 128, real zero points) and fp16 activations, with the
-routing of each version's own choice (M = 1: one pair per block, as fused_moe runs it; down on 16-row blocks: pair-
-ordered activations), and whole-layer rows (`fused_moe`) at a few M. Both versions see the same inputs; each runs
-only its public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`), so
-any two versions since the tile choice took its present signature can be compared. Times are graph replays
-(cupy_moe.timing), the two versions interleaved row by row. Exit status 1 when a checksum differs.
+benchmarks/bench_gemm.py, on random 4-bit weights (G = 128, real zero points) and fp16 activations, with the routing
+of each version's own choice (M = 1: one pair per block, as fused_moe runs it; down on 16-row blocks: pair-ordered
+activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M. Both versions see
+the same inputs; each runs only its public API (`choose_config` for the block size, `moe_align_block_size`,
+`fused_moe_gemm`, `fused_moe`), so any two versions since the tile choice took its present signature can be
+compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row. Exit status 1 when a
+checksum differs.
 """
 from __future__ import annotations
 
@@ -106,18 +107,23 @@ def main(argv=None) -> int:
                     row[f"{v}_us"] = graph_time(calls, reps=args.reps) * 1e6
                 results.append(report(row))
             if m in LAYER_MS:
-                ids, tw, x, _ = sets[0]
                 row = dict(model=model.name, phase="layer", m=m)
                 for v, pkg in versions.items():
-                    y = pkg.fused_moe(x, weights["gate_up"][v], weights["down"][v], tw, ids)
-                    row[f"{v}_checksum"] = digest(cp, y)
+                    calls = [lambda f=pkg.fused_moe, w13=weights["gate_up"][v], w2=weights["down"][v], s=s:
+                             f(s[2], w13, w2, s[1], s[0]) for s in sets]
+                    row[f"{v}_checksum"] = digest(cp, calls[0]())
+                    row[f"{v}_us"] = graph_time(calls, reps=args.reps) * 1e6
                 results.append(report(row))
         del weights, drawn
         cp.get_default_memory_pool().free_all_blocks()
     same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
-    ratios = np.array([r["this_us"] / r["other_us"] for r in results if "this_us" in r])
-    print(f"# checksums: {same}/{len(results)} rows identical; time this/other over {ratios.size} GEMM rows: median "
-          f"{np.median(ratios):.3f}, min {ratios.min():.3f}, max {ratios.max():.3f}")
+    print(f"# checksums: {same}/{len(results)} rows identical")
+    for kind, rows in (("GEMM", [r for r in results if r["phase"] != "layer"]),
+                       ("layer", [r for r in results if r["phase"] == "layer"])):
+        ratios = np.array([r["this_us"] / r["other_us"] for r in rows])
+        if ratios.size:
+            print(f"# time this/other over {ratios.size} {kind} rows: median {np.median(ratios):.3f}, "
+                  f"min {ratios.min():.3f}, max {ratios.max():.3f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if same == len(results) else 1
