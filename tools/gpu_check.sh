@@ -12,12 +12,15 @@
 # STAGES picks stages (default all but reads and ncu); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py,
 # TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
 # TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
-# tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer.
+# tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer. Where pytest-xdist is installed,
+# the test stages run in $WORKERS processes (default 8) on the one GPU; WORKERS=0 runs them in one.
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 STAGES=${STAGES:-tests,memcheck,bench,compare,layer,routing,demo,tune,examples}
+workers=${WORKERS:-8}
+python3 -c "import xdist" 2>/dev/null && ((workers > 0)) && export PYTEST_ADDOPTS="-n $workers ${PYTEST_ADDOPTS:-}"
 summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
 
 stage() {  # stage NAME TIMEOUT LOG COMMAND...
