@@ -172,6 +172,12 @@ def target_us(row, targets):
     return None if target is None else target * 1e6
 
 
+def write_json(path, gpu, copy_bw, mm_rate, targets, rows):
+    """The run's floors and rows as JSON (the input of plot_bench.py)."""
+    Path(path).write_text(json.dumps(dict(gpu=gpu.name, sm_count=gpu.sm_count, copy_bw=copy_bw, mm_rate=mm_rate,
+                                          targets=targets, rows=rows), indent=1))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", choices=sorted(TARGETS), default=None,
@@ -247,13 +253,12 @@ def main(argv=None):
                       f"{row['baseline_ratio']:7.2f} {'-' if target is None else f'{target:.1f}':>9s}" + mark
                       + (f"  {row['sha1']}" if args.checksums else ""))
             sys.stdout.flush()
+            if args.json:  # after every row, so that a run stopped part of the way keeps what it measured
+                write_json(args.json, gpu, copy_bw, mm_rate, args.targets, rows)
             bar.update()
             cp.get_default_memory_pool().free_all_blocks()
     if args.targets:
         print(f"# {sum(r['pass'] for r in rows)}/{len(rows)} rows meet the {args.targets} targets")
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(gpu=gpu.name, sm_count=gpu.sm_count, copy_bw=copy_bw,
-                                                   mm_rate=mm_rate, targets=args.targets, rows=rows), indent=1))
     return 0 if not args.targets or all(r["pass"] for r in rows) else 1
 
 
