@@ -12,6 +12,7 @@ Nothing here touches CuPy or a GPU at import time, so `import cupy_moe` works an
   previous kernel of the stream (also inside a CUDA graph). CUPY_MOE_PDL=0 in the environment turns that off.
 - `compile_for_arch(filename, name_expressions, arch)` compiles without a GPU (NVRTC only) and returns the
   compiler log with the ptxas resource report; the CPU test uses it to catch compile errors and spills.
+  `cubin_for_arch` returns the machine code too (tools/sass_digest.py disassembles it).
 
 On compute capability 9.0 the target is `sm_90a` so that Hopper-only instructions (wgmma) are usable.
 """
@@ -26,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["kernels_dir", "get_kernel", "launch", "compile_for_arch", "device_arch", "parse_ptxas_report"]
+__all__ = ["kernels_dir", "get_kernel", "launch", "compile_for_arch", "cubin_for_arch", "device_arch",
+           "parse_ptxas_report"]
 
 _PKG_DIR = Path(__file__).resolve().parent
 
@@ -172,6 +174,19 @@ def compile_for_arch(filename: str, name_expressions, arch: str) -> str:
     Returns the compiler log including ptxas's per-kernel report (registers, stack frame, spills).
     Raises RuntimeError with the log on a compile error.
     """
+    log, lowered, _ = _nvrtc_compile(filename, name_expressions, arch)
+    header = "".join(f"// {name} -> {low}\n" for name, low in lowered.items())
+    return header + log
+
+
+def cubin_for_arch(filename: str, name_expressions, arch: str) -> tuple[bytes, dict[str, str], str]:
+    """As `compile_for_arch`, but returns (the cubin, {name expression: mangled name}, the compiler log): the
+    machine code itself, for disassembly (tools/sass_digest.py)."""
+    log, lowered, cubin = _nvrtc_compile(filename, name_expressions, arch, cubin=True)
+    return cubin, lowered, log
+
+
+def _nvrtc_compile(filename, name_expressions, arch, cubin=False):
     from cupy.cuda import nvrtc  # NVRTC alone works without a driver
     name_expressions = list(name_expressions)
     prog = nvrtc.createProgram(_source(filename), str(kernels_dir() / filename), [], [])
@@ -185,10 +200,24 @@ def compile_for_arch(filename: str, name_expressions, arch: str) -> str:
             raise RuntimeError(f"compiling kernels/{filename} for {arch} failed:\n{nvrtc.getProgramLog(prog)}") from exc
         log = nvrtc.getProgramLog(prog)
         lowered = {name: nvrtc.getLoweredName(prog, name) for name in name_expressions}
+        code = _cubin(prog) if cubin else None
     finally:
         nvrtc.destroyProgram(prog)
-    header = "".join(f"// {name} -> {low}\n" for name, low in lowered.items())
-    return header + log
+    return log, lowered, code
+
+
+def _cubin(prog) -> bytes:
+    # through the library CuPy loaded: cupy's getCUBIN wrapper drops the cubin's last byte (CuPy 13/14)
+    import ctypes
+    lib = next(ctypes.CDLL(line.split()[-1]) for line in Path("/proc/self/maps").read_text().splitlines()
+               if "libnvrtc.so" in line)
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)):
+        raise RuntimeError("nvrtcGetCUBINSize failed")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(prog), buf):
+        raise RuntimeError("nvrtcGetCUBIN failed")
+    return buf.raw
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '(\w+)'")

@@ -22,6 +22,9 @@ _CHUNKS_MAX = 1024        # the scan kernel walks the chunks serially: keep them
 _WARPS_PER_CTA = 8
 
 _FILE = "moe_align.cu"
+# every instance of that file the launcher asks for (the compile test and tools/sass_digest.py compile them all)
+KERNEL_NAMES = ([f"moe_align_{kind}<{t}>" for kind in ("fused", "count", "scatter") for t in ("int", "long long")]
+                + ["moe_align_scan"])
 
 
 def align_capacity(num_pairs: int, block_size: int, num_experts: int) -> int:

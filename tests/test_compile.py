@@ -2,7 +2,7 @@
 import pytest
 
 pytest.importorskip("cupy")
-from cupy_moe import _compile, configs  # noqa: E402
+from cupy_moe import _compile, align, configs  # noqa: E402
 
 
 def _nvrtc_ok():
@@ -16,17 +16,13 @@ def _nvrtc_ok():
 
 pytestmark = pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC library not installed (the nvrtc12 / nvrtc13 extra)")
 
-ALIGN_NAMES = [f"moe_align_{kind}<{t}>" for kind in ("fused", "count", "scatter") for t in ("int", "long long")]
-ALIGN_NAMES.append("moe_align_scan")
-
-
 @pytest.mark.compile
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90", "sm_90a"])
 @pytest.mark.parametrize("filename", ["moe_align.cu", *sorted(set(configs.KERNEL_FILES.values()))])
 def test_compiles_without_spills(filename, arch):
     # every instance the launcher can request on this arch (sm_90a adds the Hopper variants); a file with none on
     # this arch (the swapped kernel below sm_90a) must still compile
-    names = ALIGN_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch, filename)
+    names = align.KERNEL_NAMES if filename == "moe_align.cu" else configs.all_name_expressions(arch, filename)
     log = _compile.compile_for_arch(filename, names, arch)
     report = _compile.parse_ptxas_report(log)
     assert len(report) == len(names), f"expected {len(names)} kernels in the ptxas report, got {len(report)}:\n{log}"
@@ -64,3 +60,15 @@ def test_kernels_dir_holds_sources():
     for name in ("moe_align.cu", "moe_layer.cu", *configs.KERNEL_FILES.values(), "moe_gemm_common.cuh", "gptq_dequant.cuh",
                  "smem_pipeline.cuh", "split_k.cuh", "hopper.cuh", "pdl.cuh"):
         assert (d / name).is_file(), name
+
+
+def test_cubin_is_whole():
+    # the ELF's section and program header tables lie inside the bytes returned (CuPy's own getCUBIN drops the last
+    # byte, which cuobjdump then refuses)
+    import struct
+    cubin, lowered, _ = _compile.cubin_for_arch("moe_align.cu", align.KERNEL_NAMES, "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(align.KERNEL_NAMES)
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    assert phnum and shnum
+    assert max(phoff + phentsize * phnum, shoff + shentsize * shnum) <= len(cubin)
