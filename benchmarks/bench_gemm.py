@@ -47,7 +47,7 @@ from cupy_moe.align import moe_align_block_size
 from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import BENCHMARK_MODELS, get_model
 from cupy_moe.timing import (ROOFLINE_TARGET_M, copy_bandwidth, event_time as timed, graph_time, matmul_rate,
-                             roofline_target)
+                             regime_summary, roofline_target)
 from cupy_moe.weights import StackedGptqWeight
 
 G = 128
@@ -257,6 +257,8 @@ def main(argv=None):
                 write_json(args.json, gpu, copy_bw, mm_rate, args.targets, rows)
             bar.update()
             cp.get_default_memory_pool().free_all_blocks()
+    for line in regime_summary(rows):
+        print(f"# {line}")
     if args.targets:
         print(f"# {sum(r['pass'] for r in rows)}/{len(rows)} rows meet the {args.targets} targets")
     return 0 if not args.targets or all(r["pass"] for r in rows) else 1

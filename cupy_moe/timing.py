@@ -1,7 +1,8 @@
 """GPU timing, written once: CUDA events around calls or around replays of a captured CUDA graph, medians after
 warm-up, and the two hardware floors measured the same way (copy bandwidth, fp16 matmul rate).
 
-Used by `tune`, the demo and the benchmarks. Every function but `roofline_target` needs CuPy and a GPU.
+Used by `tune`, the demo and the benchmarks. Every function but the targets and `regime_summary` needs CuPy and a
+GPU.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 from ._xp import require_gpu
 
 __all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "layer_target", "roofline_target",
-           "ROOFLINE_TARGET_M"]
+           "regime_summary", "ROOFLINE_TARGET_M", "REGIMES"]
 
 # The token counts M at which the GEMM phases are judged against roofline_target (every model, both phases).
 ROOFLINE_TARGET_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
@@ -91,6 +92,27 @@ def roofline_target(m: int, traffic_floor: float, flop_floor: float) -> float | 
     if m >= 128:
         return max(traffic_floor, flop_floor) / 0.70
     return None
+
+
+# The regimes a GEMM table is summarised by: (name, smallest M, largest M), as the targets split them.
+REGIMES = (("M = 1", 1, 1), ("M = 2-64", 2, 64), ("M = 128-512", 128, 512), ("M >= 1024", 1024, None))
+
+
+def regime_summary(rows) -> list[str]:
+    """One line per regime of benchmark rows (dicts with "m", "roofline_ratio" and, when judged, "pass"): how many
+    rows, the fraction of the roofline reached (min / geometric mean / max) and how many meet their target."""
+    lines = []
+    for name, lo, hi in REGIMES:
+        sel = [r for r in rows if r["m"] >= lo and (hi is None or r["m"] <= hi)]
+        if not sel:
+            continue
+        roof = np.array([r["roofline_ratio"] for r in sel], dtype=np.float64)
+        line = (f"{name}: {len(sel)} rows, roofline {roof.min():.2f} / {np.exp(np.log(roof).mean()):.2f} / "
+                f"{roof.max():.2f} (min / geometric mean / max)")
+        if all("pass" in r for r in sel):
+            line += f", {sum(bool(r['pass']) for r in sel)} meet the target"
+        lines.append(line)
+    return lines
 
 
 def layer_target(phase_floors: float) -> float:
