@@ -209,8 +209,12 @@ def _nvrtc_compile(filename, name_expressions, arch, cubin=False):
 def _cubin(prog) -> bytes:
     # through the library CuPy loaded: cupy's getCUBIN wrapper drops the cubin's last byte (CuPy 13/14)
     import ctypes
-    lib = next(ctypes.CDLL(line.split()[-1]) for line in Path("/proc/self/maps").read_text().splitlines()
-               if "libnvrtc.so" in line)
+    maps = Path("/proc/self/maps")
+    path = next((line.split()[-1] for line in (maps.read_text().splitlines() if maps.exists() else ())
+                 if "libnvrtc.so" in line), None)
+    if path is None:
+        raise RuntimeError("cubin_for_arch: the NVRTC library CuPy loaded was not found in /proc/self/maps (Linux only)")
+    lib = ctypes.CDLL(path)
     size = ctypes.c_size_t()
     if lib.nvrtcGetCUBINSize(ctypes.c_void_p(prog), ctypes.byref(size)):
         raise RuntimeError("nvrtcGetCUBINSize failed")

@@ -94,16 +94,18 @@ def roofline_target(m: int, traffic_floor: float, flop_floor: float) -> float | 
     return None
 
 
-# The regimes a GEMM table is summarised by: (name, smallest M, largest M), as the targets split them.
-REGIMES = (("M = 1", 1, 1), ("M = 2-64", 2, 64), ("M = 128-512", 128, 512), ("M >= 1024", 1024, None))
+# The regimes a GEMM table is summarised by: (name, largest M), each from the previous one's largest M + 1 (the last
+# has no bound), split where the targets change.
+REGIMES = (("M = 1", 1), ("1 < M <= 64", 64), ("64 < M <= 512", 512), ("M > 512", None))
 
 
 def regime_summary(rows) -> list[str]:
     """One line per regime of benchmark rows (dicts with "m", "roofline_ratio" and, when judged, "pass"): how many
     rows, the fraction of the roofline reached (min / geometric mean / max) and how many meet their target."""
-    lines = []
-    for name, lo, hi in REGIMES:
+    lines, lo = [], 1
+    for name, hi in REGIMES:
         sel = [r for r in rows if r["m"] >= lo and (hi is None or r["m"] <= hi)]
+        lo = hi + 1 if hi is not None else lo
         if not sel:
             continue
         roof = np.array([r["roofline_ratio"] for r in sel], dtype=np.float64)

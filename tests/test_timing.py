@@ -26,10 +26,11 @@ def test_layer_target_adds_launch_time_to_the_phase_floors():
 
 def test_regime_summary_groups_rows_by_the_targets_regimes():
     rows = [dict(m=1, roofline_ratio=0.5, **{"pass": True}), dict(m=1, roofline_ratio=0.8, **{"pass": False}),
-            dict(m=64, roofline_ratio=0.9, **{"pass": True}), dict(m=4096, roofline_ratio=0.4, **{"pass": False})]
+            dict(m=64, roofline_ratio=0.9, **{"pass": True}), dict(m=4096, roofline_ratio=0.4, **{"pass": False}),
+            dict(m=600, roofline_ratio=0.4, **{"pass": True})]
     lines = regime_summary(rows)
     assert lines == ["M = 1: 2 rows, roofline 0.50 / 0.63 / 0.80 (min / geometric mean / max), 1 meet the target",
-                     "M = 2-64: 1 rows, roofline 0.90 / 0.90 / 0.90 (min / geometric mean / max), 1 meet the target",
-                     "M >= 1024: 1 rows, roofline 0.40 / 0.40 / 0.40 (min / geometric mean / max), 0 meet the target"]
+                     "1 < M <= 64: 1 rows, roofline 0.90 / 0.90 / 0.90 (min / geometric mean / max), 1 meet the target",
+                     "M > 512: 2 rows, roofline 0.40 / 0.40 / 0.40 (min / geometric mean / max), 1 meet the target"]
     assert regime_summary([dict(m=256, roofline_ratio=0.25)]) == [
-        "M = 128-512: 1 rows, roofline 0.25 / 0.25 / 0.25 (min / geometric mean / max)"]
+        "64 < M <= 512: 1 rows, roofline 0.25 / 0.25 / 0.25 (min / geometric mean / max)"]
