@@ -7,7 +7,9 @@ Python's launch overhead and L2 residency stay out). Each candidate is the confi
 user's cache (`configs.tuned`), which `choose_config` reads from then on; they are saved after each model phase,
 so a run stopped part of the way keeps what it measured. Only the speed changes: every
 configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed order), though two
-configurations may round differently.
+configurations may round differently. So that a fast wrong answer is never kept, each candidate's result on one
+routing is compared with the heuristic configuration's: one that differs by more than AGREE (relative L2) is
+logged as rejected and not kept.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from ._xp import require_gpu
 from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
 from .models import BENCHMARK_MODELS, get_model
+from .reference import to_pair_order
 from .timing import graph_time
 from .weights import StackedGptqWeight
 
@@ -26,6 +29,9 @@ __all__ = ["tune"]
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 ROTATIONS = 4
+# two configurations differ only in where split-K partial sums meet, in float32 before the one rounding: far
+# below this relative L2 distance, which a kernel that skips or garbles rows exceeds
+AGREE = 1e-2
 
 
 def _label(cfg):
@@ -66,9 +72,18 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 routings = [cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
                             for _ in range(ROTATIONS)]
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
+                # the same activations in pair order where a candidate reads them so: every candidate, one product
+                xs = {False: x, True: to_pair_order(x) if phase == "down" and bits == 4 else None}
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
                 heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, gpu=gpu, tuned=False)
+
+                def result(cfg, pair):  # one call on the first routing into a new zero-filled output, in float32
+                    al = moe_align_block_size(routings[0], cfg.block_m, e)
+                    return fused_moe_gemm(xs[pair], weight, *al, top_k, a_pair_order=pair, config=cfg).astype(
+                        cp.float32)
+                expected = result(heuristic, phase == "down" and configs.down_pair_order(bits, heuristic.block_m))
+                scale = float(cp.linalg.norm(expected)) or 1.0
                 # candidates: every block size's plain shape at every split, and the warps-along-K shape where the
                 # block size has one (rule 4's alternative), each named by the (block_m, split_k, warps_k) entry
                 # that gives it exactly; a configuration is timed once, under the first entry that gives it
@@ -85,13 +100,23 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                         cfg = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
                                                     pair_a=pair, split_k=split, warps_k=wk)
                         runs.setdefault(cfg, (block_m, split, wk, pair))
-                timings = {}
+                timings, rejected = {}, []
                 for cfg, (block_m, split, _, pair) in runs.items():
                     aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
-                    calls = [lambda al=al, cfg=cfg, pair=pair: fused_moe_gemm(x, weight, *al, top_k, out=out,
+                    calls = [lambda al=al, cfg=cfg, pair=pair: fused_moe_gemm(xs[pair], weight, *al, top_k, out=out,
                                                                               a_pair_order=pair, config=cfg)
                              for al in aligned]
-                    timings[cfg] = graph_time(calls, reps=reps)
+                    seconds = graph_time(calls, reps=reps)
+                    error = float(cp.linalg.norm(result(cfg, pair) - expected)) / scale
+                    if error <= AGREE:  # NaN is not
+                        timings[cfg] = seconds
+                    else:
+                        rejected.append(f"{_label(cfg)} ({seconds * 1e6:.1f} us, off by {error:.1e})")
+                if rejected:
+                    log(f"{shape.name:18s} {phase:7s} M={m:5d}  rejected, results differ from the heuristic's "
+                        f"{_label(heuristic)}: {', '.join(rejected)}")
+                if not timings:
+                    continue
                 best_cfg, best = min(timings.items(), key=lambda kv: kv[1])
                 block_m, split, wk, _ = runs[best_cfg]
                 base = timings.get(heuristic, float("nan"))

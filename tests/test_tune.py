@@ -14,18 +14,23 @@ GPU = configs.GpuInfo("Fake GPU", "sm_90a", 132)
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """Stand-ins for the GPU; `launched` records each candidate's configuration and top_k as the timing runs it."""
+    """Stand-ins for the GPU; `launched` records each candidate's configuration and top_k as the timing runs it;
+    a configuration whose (block_m, split_k) is in `broken` returns zeros where the others return ones."""
     monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
-    launched = []
+    launched, broken = [], set()
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
-    cp = types.SimpleNamespace(asarray=np.asarray, empty=np.empty, float16=np.float16,
-                               get_default_memory_pool=lambda: pool)
+    cp = types.SimpleNamespace(asarray=np.asarray, empty=np.empty, float16=np.float16, float32=np.float32,
+                               linalg=np.linalg, get_default_memory_pool=lambda: pool)
     monkeypatch.setattr(tune_mod, "require_gpu", lambda what: cp)
     monkeypatch.setattr(configs, "gpu_info", lambda: GPU)
     monkeypatch.setattr(tune_mod, "StackedGptqWeight", types.SimpleNamespace(random=lambda *a, **kw: None))
     monkeypatch.setattr(tune_mod, "moe_align_block_size", lambda ids, block_m, e: (None, None, None))
-    monkeypatch.setattr(tune_mod, "fused_moe_gemm",
-                        lambda x, w, s, eid, post, top_k, **kw: launched.append((kw["config"], top_k)))
+
+    def gemm(x, w, s, eid, post, top_k, **kw):
+        cfg = kw["config"]
+        launched.append((cfg, top_k))
+        return np.full((x.shape[0] * top_k, 8), 0 if (cfg.block_m, cfg.split_k) in broken else 1, np.float16)
+    monkeypatch.setattr(tune_mod, "fused_moe_gemm", gemm)
 
     def graph_time(calls, reps):  # the candidate's time: 64-row blocks split 2 ways win
         for call in calls:
@@ -33,7 +38,7 @@ def fake(tmp_path, monkeypatch):
         cfg, _ = launched[-1]
         return 1e-6 * (1 if (cfg.block_m, cfg.split_k) == (64, 2) else 10 + cfg.split_k + cfg.block_m / 16)
     monkeypatch.setattr(tune_mod, "graph_time", graph_time)
-    return types.SimpleNamespace(launched=launched, table=tmp_path / configs.table_file_name(GPU.name))
+    return types.SimpleNamespace(launched=launched, broken=broken, table=tmp_path / configs.table_file_name(GPU.name))
 
 
 def test_tune_keeps_the_fastest_candidate_and_choose_config_follows_it(fake):
@@ -62,7 +67,7 @@ def test_tune_saves_each_phase_as_it_finishes(fake, monkeypatch):
     def stop_in_down(*args, **kw):
         if args[5] == 1:  # top_k 1: the down phase
             raise KeyboardInterrupt
-        record(*args, **kw)
+        return record(*args, **kw)
     monkeypatch.setattr(tune_mod, "fused_moe_gemm", stop_in_down)
     with pytest.raises(KeyboardInterrupt):
         tune_mod.tune(["tiny"], (1, 64), reps=1, log=lambda line: None)
@@ -75,3 +80,15 @@ def test_tune_saves_each_phase_as_it_finishes(fake, monkeypatch):
 def test_tune_dry_run_saves_nothing(fake):
     found = tune_mod.tune(["tiny"], (1,), reps=1, save=False, log=lambda line: None)
     assert len(found) == 2 and not fake.table.exists()
+
+
+def test_tune_rejects_a_fast_candidate_whose_result_differs(fake):
+    """A configuration that skips its work is fastest but wrong: it is logged as rejected and never kept."""
+    fake.broken.add((64, 2))
+    lines = []
+    found = tune_mod.tune(["tiny"], (64,), reps=1, save=False, log=lines.append)
+    assert len(found) == 2
+    for entry in found.values():  # the next fastest: 16-row blocks unsplit (10 + 1 + 16/16 us)
+        assert (entry["block_m"], entry["split_k"], entry["time_us"]) == (16, 1, 12.0)
+    rejected = [line for line in lines if "rejected" in line]
+    assert len(rejected) == 2 and all("64 S=2 (1.0 us, off by 1.0e+00)" in line for line in rejected)
