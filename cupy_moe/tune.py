@@ -72,18 +72,9 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 routings = [cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
                             for _ in range(ROTATIONS)]
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
-                # the same activations in pair order where a candidate reads them so: every candidate, one product
-                xs = {False: x, True: to_pair_order(x) if phase == "down" and bits == 4 else None}
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
                 heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, gpu=gpu, tuned=False)
-
-                def result(cfg, pair):  # one call on the first routing into a new zero-filled output, in float32
-                    al = moe_align_block_size(routings[0], cfg.block_m, e)
-                    return fused_moe_gemm(xs[pair], weight, *al, top_k, a_pair_order=pair, config=cfg).astype(
-                        cp.float32)
-                expected = result(heuristic, phase == "down" and configs.down_pair_order(bits, heuristic.block_m))
-                scale = float(cp.linalg.norm(expected)) or 1.0
                 # candidates: every block size's plain shape at every split, and the warps-along-K shape where the
                 # block size has one (rule 4's alternative), each named by the (block_m, split_k, warps_k) entry
                 # that gives it exactly; a configuration is timed once, under the first entry that gives it
@@ -100,6 +91,15 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                         cfg = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
                                                     pair_a=pair, split_k=split, warps_k=wk)
                         runs.setdefault(cfg, (block_m, split, wk, pair))
+                # the same activations in pair order where a candidate reads them so: every candidate, one product
+                xs = {False: x, True: to_pair_order(x) if any(pair for *_, pair in runs.values()) else None}
+
+                def result(cfg, pair):  # one call on the first routing into a new zero-filled output, in float32
+                    al = moe_align_block_size(routings[0], cfg.block_m, e)
+                    return fused_moe_gemm(xs[pair], weight, *al, top_k, a_pair_order=pair, config=cfg).astype(
+                        cp.float32)
+                expected = result(heuristic, phase == "down" and configs.down_pair_order(bits, heuristic.block_m))
+                scale = float(cp.linalg.norm(expected)) or 1.0
                 timings, rejected = {}, []
                 for cfg, (block_m, split, _, pair) in runs.items():
                     aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
