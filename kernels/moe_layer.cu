@@ -214,9 +214,13 @@ __global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_m
     const long long m = t / H;
     const int h = static_cast<int>(t - m * H);
     float acc = 0.f;
+    // Each slot's id and value are loaded unconditionally (row m * A + s of x exists even where the GEMMs skipped
+    // it), so no load waits for an id; the select keeps a skipped slot's unwritten bits out of the sum.
+#pragma unroll 8  // every model's top-k fits one round: all its loads in flight at once
     for (int s = 0; s < A; ++s) {
       const I e = ids_ma[m * A + s];
-      if (e >= 0 && e < E) acc += to_float(x_pah[(m * A + s) * H + h]);
+      const float v = to_float(x_pah[(m * A + s) * H + h]);
+      acc = (e >= 0 && e < E) ? acc + v : acc;
     }
     out_mh[t] = from_float<T>(acc);
   }
