@@ -10,7 +10,8 @@ of each version's own choice (M = 1: one pair per block, as fused_moe runs it; d
 activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M. Both versions see
 the same inputs; each runs only its public API (`choose_config` for the block size, `moe_align_block_size`,
 `fused_moe_gemm`, `fused_moe`), so any two versions since the tile choice took its present signature can be
-compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row. Exit status 1 when a
+compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R
+each version is timed R times per row in alternating order and the median counts. Exit status 1 when a
 checksum differs.
 """
 from __future__ import annotations
@@ -28,7 +29,10 @@ import cupy_moe
 from cupy_moe.models import BENCHMARK_MODELS, get_model
 from cupy_moe.timing import graph_time
 
-G, BITS, ROTATIONS = 128, 4, 4
+# 8 routings per row, as the benchmark: with 4, a small-expert decode row touches about the L2's size in weights
+# (Qwen1.5-MoE-A2.7B gate/up at M = 1: 16 experts, 46 MB), and whether they stay in L2 between replays flipped
+# between the two versions of one run (7.6 against 9.0 us, the same kernel)
+G, BITS, ROTATIONS = 128, 4, 8
 LAYER_MS = (1, 8, 64, 256)
 
 
@@ -78,6 +82,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(BENCHMARK_MODELS))
     ap.add_argument("--m", default="1,16,64,256,1024,4096")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per timing")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="timings per version and row, the order of the two versions alternating; the row's time "
+                         "is each version's median (drift and the order of the two cancel)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     import cupy as cp
@@ -99,21 +106,19 @@ def main(argv=None) -> int:
                      cp.asarray((0.5 * rng.standard_normal((m * a, inter))).astype(np.float16)))
                     for _ in range(ROTATIONS)]
             for phase, (k, n, _) in phases.items():
-                row = dict(model=model.name, phase=phase, m=m)
+                row, timed = dict(model=model.name, phase=phase, m=m), {}
                 for v, pkg in versions.items():
-                    label, calls, outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n)
-                    calls[0]()
+                    label, timed[v], outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n)
+                    timed[v][0]()
                     row[f"{v}_config"], row[f"{v}_checksum"] = label, digest(cp, outs[0])
-                    row[f"{v}_us"] = graph_time(calls, reps=args.reps) * 1e6
-                results.append(report(row))
+                results.append(report(time_rounds(row, timed, args)))
             if m in LAYER_MS:
-                row = dict(model=model.name, phase="layer", m=m)
+                row, timed = dict(model=model.name, phase="layer", m=m), {}
                 for v, pkg in versions.items():
-                    calls = [lambda f=pkg.fused_moe, w13=weights["gate_up"][v], w2=weights["down"][v], s=s:
-                             f(s[2], w13, w2, s[1], s[0]) for s in sets]
-                    row[f"{v}_checksum"] = digest(cp, calls[0]())
-                    row[f"{v}_us"] = graph_time(calls, reps=args.reps) * 1e6
-                results.append(report(row))
+                    timed[v] = [lambda f=pkg.fused_moe, w13=weights["gate_up"][v], w2=weights["down"][v], s=s:
+                                f(s[2], w13, w2, s[1], s[0]) for s in sets]
+                    row[f"{v}_checksum"] = digest(cp, timed[v][0]())
+                results.append(report(time_rounds(row, timed, args)))
         del weights, drawn
         cp.get_default_memory_pool().free_all_blocks()
     same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
@@ -127,6 +132,17 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0 if same == len(results) else 1
+
+
+def time_rounds(row: dict, timed: dict, args) -> dict:
+    """Each version's median time (us) over args.rounds graph timings of its calls, this one first in even
+    rounds and the other first in odd ones."""
+    times = {v: [] for v in timed}
+    for r in range(args.rounds):
+        for v in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
+            times[v].append(graph_time(timed[v], reps=args.reps) * 1e6)
+    row.update({f"{v}_us": float(np.median(t)) for v, t in times.items()})
+    return row
 
 
 def report(row: dict) -> dict:
