@@ -66,7 +66,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/tests.log" 2>/dev/null | head -n 25
 [[ -f $OUT/layer.txt ]] && cat "$OUT/layer.txt"
 [[ -f $OUT/demo.txt ]] && tail -n 4 "$OUT/demo.txt"
 printf '%s\n' "${summary[@]}"
-# PACK=1: everything in one archive (the device tool returns at most 8 files)
+# PACK=1: everything in one archive (for a remote runner that brings back only a few files)
 if [[ ${PACK:-0} == 1 ]]; then
   tar czf /tmp/gpu_check.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_check.tgz "$OUT/"
 fi
