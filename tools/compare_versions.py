@@ -12,7 +12,9 @@ the same inputs; each runs only its public API (`choose_config` for the block si
 `fused_moe_gemm`, `fused_moe`), so any two versions since the tile choice took its present signature can be
 compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R
 each version is timed R times per row in alternating order and the median counts. Exit status 1 when a
-checksum differs.
+checksum differs. A version's own tuned tables (cupy_moe/configs/tuned/, the user's cache) steer its choices: to
+compare two versions on the same configurations where only one ships a table for this GPU, move that table aside
+for the run.
 """
 from __future__ import annotations
 
