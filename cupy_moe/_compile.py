@@ -208,7 +208,6 @@ def _nvrtc_compile(filename, name_expressions, arch, cubin=False):
 
 def _cubin(prog) -> bytes:
     # through the library CuPy loaded: cupy's getCUBIN wrapper drops the cubin's last byte (CuPy 13/14)
-    import ctypes
     maps = Path("/proc/self/maps")
     path = next((line.split()[-1] for line in (maps.read_text().splitlines() if maps.exists() else ())
                  if "libnvrtc.so" in line), None)

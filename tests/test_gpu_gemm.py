@@ -328,7 +328,6 @@ def test_gemm_pair_order(block_m, act_order, dtype_name, hopper, monkeypatch):
         fused_moe_gemm(cp.zeros((m, 256), cp.float16), w8, s, eids, post, a, a_pair_order=True)
 
 
-
 def test_gemm_many_blocks_per_expert():
     """Mixtral-8x7B's down phase at M = 4096 (E = 8, 8192 pairs, so 64 blocks of 16 rows per expert; K = 14336):
     the 16-row decode kernel, unsplit and in pair order as fused_moe runs it, and the 128-row kernel give the same
@@ -350,6 +349,7 @@ def test_gemm_many_blocks_per_expert():
     scale = float(cp.linalg.norm(large))
     assert scale > 0 and not bool(cp.isnan(small).any())
     assert float(cp.linalg.norm(small - large)) / scale <= 2 * REL_L2["float16"]
+
 
 def test_numpy_inputs_run_reference():
     rng = np.random.default_rng(3)
