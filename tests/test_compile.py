@@ -72,3 +72,22 @@ def test_cubin_is_whole():
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
     assert phnum and shnum
     assert max(phoff + phentsize * phnum, shoff + shentsize * shnum) <= len(cubin)
+
+
+@pytest.mark.compile
+def test_tc_ablation_variants_compile(monkeypatch):
+    # tools/tc_ablation.py removes statements of the tc kernel's main loop by their text: each must still occur in
+    # the source and every variant must compile (the tool times them on a GPU)
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "tools" / "tc_ablation.py"
+    spec = importlib.util.spec_from_file_location("tc_ablation", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    name = configs.PREFILL_128.name_expression(False, 4, False, 128, hopper=True)
+    monkeypatch.setattr(_compile, "_source", _compile._source)  # the tool swaps it; restored after the test
+    for variant, removed in tool.VARIANTS.items():
+        tool.use_variant(removed)
+        report = _compile.parse_ptxas_report(_compile.compile_for_arch(tool.SOURCE, [name], "sm_90a"))
+        assert len(report) == 1, f"{variant}: expected one kernel in the ptxas report, got {report}"
+    tool.use_variant(())
