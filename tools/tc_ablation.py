@@ -18,8 +18,7 @@ Each time is printed with the row's FLOP floor (FLOPs over the fp16 matmul rate 
 header gives the bytes its CTAs copy from L2 into shared memory per call: every row of a block once per column tile
 (K * 2 bytes each) and the expert's packed weights once per block, with the group's scales and zero words again
 at every 32-k step; "copies only" moves exactly those bytes (and stores the outputs), so its time gives the rate at
-which the CTAs' copies stream. Rows whose configuration is not
-the tc kernel (16-row blocks) are skipped.
+which the CTAs' copies stream. Rows whose configuration is not the tc kernel (16-row blocks) are skipped.
 """
 from __future__ import annotations
 
