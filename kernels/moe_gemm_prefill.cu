@@ -374,6 +374,14 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int col_w = n_base + wn * WTN + 2 * t;  // + j * 8
 
   if (split_k == 1) {
+    // The tile goes out through shared memory, so that each pair's BN outputs leave as whole 16-byte pieces of one
+    // contiguous row (a fragment's own stores are 4 bytes, 8 rows of 16 bytes per warp instruction). The ring and
+    // the B buffers are free once every warp is past its last wgmma wait / mma. Row r's 16-byte chunk c sits at
+    // c ^ (r & 7): the fragment writes (8 rows x one chunk per instruction) and the row reads are conflict-free.
+    static_assert(BM * BN * 2 <= L::kTotal - L::kAlign, "the output tile fits in the kernel's shared memory");
+    constexpr int RW = BN / 2;  // u32 words per tile row
+    u32* tile = reinterpret_cast<u32*>(smem);
+    __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MTL; ++mt)
 #pragma unroll
@@ -381,14 +389,23 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
         const int p = pair_of[mt][h];
         if (p < 0) continue;
         const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+        const int r = wm * WTM + mt * 16 + g + 8 * h;
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-          const int col = col_w + j * 8;
-          if (col >= N) continue;
-          *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + col) =
-              gptq::pack2<kBf16>(acc[mt][j][2 * h] * w, acc[mt][j][2 * h + 1] * w);
+          const int c = (wn * WTN) / 8 + j;  // the fragment's 16-byte chunk of the row; t picks the word in it
+          tile[r * RW + ((c ^ (r & 7)) << 2) + t] = gptq::pack2<kBf16>(acc[mt][j][2 * h] * w, acc[mt][j][2 * h + 1] * w);
         }
       }
+    __syncthreads();
+    constexpr int CPR = BN / 8, RPI = THREADS / CPR;  // 16-byte chunks per row; rows per pass of the CTA
+    const int oc = tid % CPR, col = n_base + 8 * oc;
+#pragma unroll 4
+    for (int r = tid / CPR; r < BM; r += RPI) {
+      const int p = __ldg(sorted + blk * BM + r);
+      if (p < 0 || p >= num_pairs || col >= N) continue;
+      *reinterpret_cast<uint4*>(out + static_cast<long long>(p) * N + col) =
+          *reinterpret_cast<const uint4*>(tile + r * RW + ((oc ^ (r & 7)) << 2));
+    }
     return;
   }
 
