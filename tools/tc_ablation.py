@@ -12,7 +12,9 @@ variants compute garbage; only their times mean something:
 - no dequant, no weight copies: as above, and the raw qweight rows are not copied either;
 - skeleton: no dequantization and no copies at all: barriers, wgmma and the epilogue;
 - no wgmma: copies and dequantization, no tensor work;
-- copies only: no wgmma and no dequantization.
+- copies only: no wgmma and no dequantization;
+- no proxy fence: as shipped but without the fence.proxy.async each thread runs before the barrier that hands a stage
+  to wgmma (what the fence itself costs; without it wgmma may read a tile before it is visible to it).
 
 Each time is printed with the row's FLOP floor (FLOPs over the fp16 matmul rate measured here) over it. The row's
 header gives the bytes its CTAs copy from L2 into shared memory per call: every row of a block once per column tile
@@ -47,8 +49,10 @@ OTHER_COPIES = ("gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_sr
                 "in);")
 WGMMA = ("gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64_at(a_desc0 + (ka >> 4)),\n"
          "                                       gptq::wg_desc_sw64_at(b_desc0 + (kb >> 4)));",)
+FENCE = ("if constexpr (kWg) gptq::fence_proxy_async_smem();  // this thread's A copies and B stores -> wgmma reads",)
 VARIANTS = {"as shipped": (), "no dequant": DEQUANT, "no dequant, no weight copies": DEQUANT + WEIGHT_COPIES,
-            "skeleton": DEQUANT + WEIGHT_COPIES + OTHER_COPIES, "no wgmma": WGMMA, "copies only": WGMMA + DEQUANT}
+            "skeleton": DEQUANT + WEIGHT_COPIES + OTHER_COPIES, "no wgmma": WGMMA, "copies only": WGMMA + DEQUANT,
+            "no proxy fence": FENCE}
 
 _shipped_source = _compile._source
 
