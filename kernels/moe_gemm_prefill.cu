@@ -393,7 +393,8 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
           const int c = (wn * WTN) / 8 + j;  // the fragment's 16-byte chunk of the row; t picks the word in it
-          tile[r * RW + ((c ^ (r & 7)) << 2) + t] = gptq::pack2<kBf16>(acc[mt][j][2 * h] * w, acc[mt][j][2 * h + 1] * w);
+          tile[r * RW + ((c ^ (r & 7)) << 2) + t] =
+              gptq::pack2<kBf16>(acc[mt][j][2 * h] * w, acc[mt][j][2 * h + 1] * w);
         }
       }
     __syncthreads();
