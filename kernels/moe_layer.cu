@@ -3,6 +3,7 @@
 //   route_experts   the same for DeepSeek-style routing: sigmoid or softmax scores, a selection bias, group limits
 //   silu_and_mul    gate/up output [P, 2I] -> SiLU(gate) * up [P, I]
 //   moe_sum         down output [M*A, H] (routing weights already applied by the GEMM) -> [M, H]
+//   router_logits   hidden [M, H] x router [E, H] -> logits [M, E] in float32
 // Each mirrors cupy_moe.reference exactly in where it rounds: float32 math, one rounding to T at the end.
 // No CUDA headers: NVRTC installs without cuda_fp16.h, so the 16-bit types are plain storage structs with
 // PTX conversions (round to nearest even, as numpy's astype does).
@@ -23,6 +24,19 @@ __device__ __forceinline__ float to_float(f16 x) {
   return f;
 }
 __device__ __forceinline__ float to_float(bf16 x) { return __uint_as_float(static_cast<unsigned>(x.bits) << 16); }
+
+// 4 consecutive values (8 or 16 bytes, aligned) as floats
+__device__ __forceinline__ void load4(const float* p, float (&v)[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x; v[1] = q.y; v[2] = q.z; v[3] = q.w;
+}
+template <typename T>  // f16 or bf16
+__device__ __forceinline__ void load4(const T* p, float (&v)[4]) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+  const unsigned words[2] = {q.x, q.y};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v[j] = to_float(T{static_cast<unsigned short>(words[j / 2] >> (16 * (j % 2)))});
+}
 
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
@@ -226,22 +240,97 @@ __global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_m
   }
 }
 
-// logits[m, e] = sum over h of x[m, h] * w[e, h] in float32, one warp per (m, e), lanes striding h and a fixed
-// butterfly at the end: deterministic, and (unlike cuBLAS through CuPy) usable inside a CUDA graph capture.
-// The router is small next to the experts (E * H weights against E * 3 * H * I), so plain FMAs suffice.
-template <typename TX, typename TW>
-__global__ void router_logits(const TX* __restrict__ x_mh, const TW* __restrict__ w_eh, float* __restrict__ out_me,
-                              int M, int E, int H) {
+// logits[m, e] = sum over h of x[m, h] * w[e, h] in float32. A CTA computes EC experts x TM tokens, so each
+// router row is read once per TM tokens and each token row once per EC experts (reading the router once per token
+// would move gigabytes through L2 at M = 1024). Its 8 warps split H: warp j takes the chunks of 128
+// at j * 128, j * 128 + 1024, ...; lane l the 4 values at 4l of each chunk, added to its sums in h order. A warp sums
+// its lanes by the xor butterfly (16, 8, 4, 2, 1; each step halves the values a lane holds while it holds more than
+// one, which adds the same pairs), and the 8 warp sums are added in warp order. That order depends on H alone, not on
+// M, EC, TM or `vec`, so a token's logits do not depend on the batch it is in. vec (H % 4 == 0, rows aligned for it):
+// each lane loads its 4 values at once; else one at a time, with the same sums. Rows past M or E read the last row.
+// Deterministic, and (unlike cuBLAS through CuPy) usable inside a CUDA graph capture.
+template <typename TX, typename TW, int EC, int TM>
+__global__ void __launch_bounds__(256) router_logits(const TX* __restrict__ x_mh, const TW* __restrict__ w_eh,
+                                                     float* __restrict__ out_me, int M, int E, int H, int vec) {
+  constexpr int V = EC * TM, WARPS = 8, CHUNK = 128;
+  static_assert(V >= 1 && V <= 32 && (V & (V - 1)) == 0, "EC * TM: a power of two up to 32");
+  __shared__ float red[WARPS][V];
   pdl::enter();
-  const int lane = threadIdx.x & 31;
-  const long long task = blockIdx.x * static_cast<long long>(blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (task >= static_cast<long long>(M) * E) return;
-  const long long m = task / E;
-  const int e = static_cast<int>(task - m * E);
-  const TX* x = x_mh + m * H;
-  const TW* w = w_eh + static_cast<long long>(e) * H;
-  float acc = 0.f;
-  for (int h = lane; h < H; h += 32) acc += to_float(x[h]) * to_float(w[h]);
-  for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
-  if (lane == 0) out_me[task] = acc;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const long long m0 = static_cast<long long>(blockIdx.x) * TM;
+  const int e0 = blockIdx.y * EC;
+  const TX* xr[TM];
+  const TW* wr[EC];
+#pragma unroll
+  for (int t = 0; t < TM; ++t) xr[t] = x_mh + min(m0 + t, static_cast<long long>(M) - 1) * H;
+#pragma unroll
+  for (int e = 0; e < EC; ++e) wr[e] = w_eh + static_cast<long long>(min(e0 + e, E - 1)) * H;
+  float acc[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) acc[i] = 0.f;
+  auto add = [&](const float (&wv)[EC][4], const float (&xv)[TM][4]) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < EC; ++e)
+#pragma unroll
+        for (int t = 0; t < TM; ++t) acc[e * TM + t] = __fmaf_rn(xv[t][j], wv[e][j], acc[e * TM + t]);
+  };
+  const int h0 = warp * CHUNK + 4 * lane;
+  if (vec) {
+#pragma unroll 2
+    for (int h = h0; h < H; h += WARPS * CHUNK) {  // two chunks' loads in flight
+      float wv[EC][4], xv[TM][4];
+#pragma unroll
+      for (int e = 0; e < EC; ++e) load4(wr[e] + h, wv[e]);
+#pragma unroll
+      for (int t = 0; t < TM; ++t) load4(xr[t] + h, xv[t]);
+      add(wv, xv);
+    }
+  } else {
+    for (int h = h0; h < H; h += WARPS * CHUNK) {
+      float wv[EC][4], xv[TM][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool in = h + j < H;  // out of range: 0 * 0 adds nothing
+#pragma unroll
+        for (int e = 0; e < EC; ++e) wv[e][j] = in ? to_float(wr[e][h + j]) : 0.f;
+#pragma unroll
+        for (int t = 0; t < TM; ++t) xv[t][j] = in ? to_float(xr[t][h + j]) : 0.f;
+      }
+      add(wv, xv);
+    }
+  }
+  // butterfly; while a lane holds n > 1 sums it keeps one half (the upper one where its bit o is set), sends the
+  // other, and adds its partner's copy of the half it keeps
+  int base = 0, own = 1;  // after the loop the lane holds the sum of value `base`; own: it writes it
+#pragma unroll
+  for (int step = 0; step < 5; ++step) {
+    const int o = 16 >> step, n = V >> (step + 1);  // n: the sums a lane keeps if it still holds more than one
+    if (n >= 1) {
+      const bool up = lane & o;
+#pragma unroll
+      for (int i = 0; i < n; ++i) {
+        const float send = up ? acc[i] : acc[i + n];
+        const float keep = up ? acc[i + n] : acc[i];
+        acc[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+      }
+      if (up) base += n;
+    } else {
+      acc[0] += __shfl_xor_sync(0xffffffffu, acc[0], o);
+      if (lane & o) own = 0;
+    }
+  }
+  if (own) red[warp][base] = acc[0];
+  __syncthreads();
+  if (threadIdx.x < V) {
+    const int e = e0 + threadIdx.x / TM;
+    const long long m = m0 + threadIdx.x % TM;
+    if (e < E && m < M) {
+      float s = red[0][threadIdx.x];
+#pragma unroll
+      for (int w = 1; w < WARPS; ++w) s += red[w][threadIdx.x];
+      out_me[m * E + e] = s;
+    }
+  }
 }

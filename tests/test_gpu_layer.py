@@ -252,6 +252,36 @@ def test_route_experts_gpu_matches_numpy(e, a, scoring, bias, method, n_group, t
     np.testing.assert_allclose(cp.asnumpy(got_w), want_w, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("x_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("w_dtype", ["float16", "float32"])
+@pytest.mark.parametrize("m,e,h", [(1, 256, 7168), (3, 60, 2048), (16, 8, 4096), (37, 160, 1000), (200, 7, 130)])
+@pytest.mark.parametrize("large", [False, True])
+def test_router_logits_gpu(m, e, h, x_dtype, w_dtype, large, monkeypatch):
+    """Float32 sums of x @ w.T to within float32 rounding; a token's logits are the same bits in a batch of one, in
+    a larger batch (large: with the tile for activations larger than L2), and with rows not aligned for vector
+    loads."""
+    from cupy_moe import layer
+    from cupy_moe.layer import _linear_f32
+    if large:
+        monkeypatch.setattr(layer, "_ROUTER_L2_BYTES", 0)
+    rng = np.random.default_rng(m * e + h)
+    x = rng.standard_normal((m, h)).astype(_dtype(x_dtype))
+    w = (rng.standard_normal((e, h)) * h ** -0.5).astype(w_dtype)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    bound = 1e-6 * np.sqrt(h) * (np.abs(x.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+    got = _linear_f32(cp.asarray(x), cp.asarray(w))
+    assert got.dtype == np.float32 and got.shape == (m, e)
+    got = cp.asnumpy(got)
+    assert (np.abs(got - exact) <= bound).all(), np.abs(got - exact).max()
+    one = cp.asnumpy(_linear_f32(cp.asarray(x[-1:]), cp.asarray(w)))
+    np.testing.assert_array_equal(one, got[-1:])
+    flat = np.zeros(m * h + 1, x.dtype)  # one element in: rows 2 bytes off their alignment, scalar loads
+    flat[1:] = x.ravel()
+    shifted = cp.asarray(flat)[1:].reshape(m, h)
+    assert shifted.data.ptr % 8 == 2
+    np.testing.assert_array_equal(cp.asnumpy(_linear_f32(shifted, cp.asarray(w))), got)
+
+
 def test_route_experts_gpu_ties_and_nan_rows():
     """Equal scores go to the lower group and expert; a row of NaN logits still gives expert ids in range."""
     from cupy_moe.layer import route_experts
