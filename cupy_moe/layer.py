@@ -33,7 +33,7 @@ __all__ = ["select_experts", "route_experts", "fused_moe", "plan_moe", "MoEPlan"
            "capture", "load_moe_layer", "load_moe_model"]
 
 _FILE = "moe_layer.cu"
-_THREADS = 256
+_THREADS = 256  # every kernel of moe_layer.cu; router_logits fixes its sums to these 8 warps
 _MAX_GRID = 132 * 16  # grid-stride loops: enough CTAs to fill an H100/H200 several times over
 _CTYPES = {"float16": "f16", "bfloat16": "bf16", "float32": "float"}  # element types of kernels/moe_layer.cu
 # router_logits' CTA tiles (experts, tokens): one token; a few tokens, each router row read once per 4 tokens; and
