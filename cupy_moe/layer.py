@@ -372,14 +372,15 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     if plan.down.block_m != plan.up.block_m:  # another block size: a second align launch (pair ids are shared)
         aligned = moe_align_block_size(topk_ids, plan.down.block_m, e)
     act = cp.empty((p, i), dtype)
-    _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i), (_THREADS,),
+    _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i // 8), (_THREADS,),
                     (x1, act, np.int64(p), np.int32(i), np.int32(plan.pair_order)))
     x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
                         a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
     ids = cp.ascontiguousarray(topk_ids)  # the sum skips ids outside [0, E), as the GEMMs did
     itype = "int" if ids.dtype == np.int32 else "long long"
-    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}, {itype}>"), _grid(m * h), (_THREADS,),
-                    (x2, ids, out, np.int64(m), np.int32(a), np.int32(h), np.int32(e)))
+    vec = out.data.ptr % 16 == 0  # H is a multiple of 32 and x2 is ours: only a caller's `out` can be unaligned
+    _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}, {itype}>"), _grid(m * h // (8 if vec else 1)),
+                    (_THREADS,), (x2, ids, out, np.int64(m), np.int32(a), np.int32(h), np.int32(e), np.int32(vec)))
     return out
 
 

@@ -50,6 +50,24 @@ template <> __device__ __forceinline__ bf16 from_float<bf16>(float x) {
   return h;
 }
 
+// 8 consecutive 16-bit values (16 bytes, aligned) as floats, and back, each rounded once
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  const uint4 q = *reinterpret_cast<const uint4*>(p);
+  const unsigned words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 8; ++j) v[j] = to_float(T{static_cast<unsigned short>(words[j / 2] >> (16 * (j % 2)))});
+}
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
+  unsigned words[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    words[j] = static_cast<unsigned>(from_float<T>(v[2 * j]).bits) |
+               static_cast<unsigned>(from_float<T>(v[2 * j + 1]).bits) << 16;
+  *reinterpret_cast<uint4*>(p) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
 // Larger value wins; on equal values the lower expert index wins (the reference's tie rule).
 __device__ __forceinline__ void argmax_step(float& v, int& i, float ov, int oi) {
   if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
@@ -198,39 +216,65 @@ __global__ void route_experts(const float* __restrict__ logits_me, float* __rest
   }
 }
 
-// out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T. pair_order (I % 8 == 0): column i is
-// stored at its place in pair order instead (each run of 8 as i0 i4 i1 i5 i2 i6 i3 i7; moe_gemm_decode.cu, kPairA).
+// out[p, i] = SiLU(x[p, i]) * x[p, I + i], in float32, rounded once to T. pair_order: column i is stored at its place
+// in pair order instead (each run of 8 as i0 i4 i1 i5 i2 i6 i3 i7; moe_gemm_decode.cu, kPairA). A thread takes 8
+// columns at once (16-byte loads and stores): I is a multiple of 32 (the GEMMs' K and N) and the rows are aligned.
 template <typename T>
 __global__ void silu_and_mul(const T* __restrict__ x_p2i, T* __restrict__ out_pi, long long P, int I,
                              int pair_order) {
   pdl::enter();
-  const long long total = P * I;
-  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
+  const int I8 = I / 8;
+  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < P * I8;
        t += static_cast<long long>(gridDim.x) * blockDim.x) {
-    const long long p = t / I;
-    const int i = static_cast<int>(t - p * I);
-    const float g = to_float(x_p2i[p * 2 * I + i]);
-    const float u = to_float(x_p2i[p * 2 * I + I + i]);
-    const int at = pair_order ? (i & ~7) | (2 * (i & 3) + ((i >> 2) & 1)) : i;
-    out_pi[p * I + at] = from_float<T>(g / (1.0f + expf(-g)) * u);
+    const long long p = t / I8;
+    const int i = static_cast<int>(t - p * I8) * 8;
+    float g[8], u[8], o[8];
+    load8(x_p2i + p * 2 * I + i, g);
+    load8(x_p2i + p * 2 * I + I + i, u);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const int j = pair_order ? (k >> 1) + 4 * (k & 1) : k;  // the column that place k of the run holds
+      o[k] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+    store8(out_pi + p * I + i, o);
   }
 }
 
 // out[m, h] = sum over slots s (in order) of x[m * A + s, h], in float32, rounded once to T; a slot whose expert
 // id is outside [0, E) adds nothing (the GEMMs skip such pairs, so their rows of x were never written).
+// vec (out 16-byte aligned; H is a multiple of 32): a thread takes 8 columns at once; else one. The same sums.
 template <typename T, typename I>
 __global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_ma, T* __restrict__ out_mh,
-                        long long M, int A, int H, int E) {
+                        long long M, int A, int H, int E, int vec) {
   pdl::enter();
-  const long long total = M * H;
-  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < total;
-       t += static_cast<long long>(gridDim.x) * blockDim.x) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  const long long first = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x;
+  // Each slot's id and value are loaded unconditionally (row m * A + s of x exists even where the GEMMs skipped
+  // it), so no load waits for an id; the select keeps a skipped slot's unwritten bits out of the sum.
+  if (vec) {
+    const int H8 = H / 8;
+    for (long long t = first; t < M * H8; t += stride) {
+      const long long m = t / H8;
+      const int h = static_cast<int>(t - m * H8) * 8;
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll 8  // every model's top-k fits one round: all its loads in flight at once
+      for (int s = 0; s < A; ++s) {
+        const I e = ids_ma[m * A + s];
+        float v[8];
+        load8(x_pah + (m * A + s) * H + h, v);
+        const bool keep = e >= 0 && e < E;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[j] = keep ? acc[j] + v[j] : acc[j];
+      }
+      store8(out_mh + m * H + h, acc);
+    }
+    return;
+  }
+  for (long long t = first; t < M * H; t += stride) {
     const long long m = t / H;
     const int h = static_cast<int>(t - m * H);
     float acc = 0.f;
-    // Each slot's id and value are loaded unconditionally (row m * A + s of x exists even where the GEMMs skipped
-    // it), so no load waits for an id; the select keeps a skipped slot's unwritten bits out of the sum.
-#pragma unroll 8  // every model's top-k fits one round: all its loads in flight at once
+#pragma unroll 8
     for (int s = 0; s < A; ++s) {
       const I e = ids_ma[m * A + s];
       const float v = to_float(x_pah[(m * A + s) * H + h]);

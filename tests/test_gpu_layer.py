@@ -80,6 +80,26 @@ def test_fused_moe_gpu_matches_reference(tmp_path, dtype, m):
     assert rel_l2(got, want.astype(np.float32)) <= REL_L2[dtype]
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fused_moe_into_an_unaligned_out_gives_the_same_bits(tmp_path, dtype):
+    """The top-k sum takes 8 columns at a time where `out` is 16-byte aligned and one at a time where it is not:
+    the same float32 sums in the same order, so the same bits."""
+    m = 37
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(3)
+    x = cp.asarray(rng.standard_normal((m, H)).astype(_dtype(dtype)))
+    weights, ids = (cp.asarray(v) for v in reference.select_experts(rng.standard_normal((m, E)).astype(np.float32),
+                                                                     4, True))
+    aligned = fused_moe(x, w13, w2, weights, ids)
+    out = cp.zeros(m * H + 1, np.float16).astype(x.dtype)[1:].reshape(m, H)
+    assert out.data.ptr % 16 and out.flags.c_contiguous
+    assert fused_moe(x, w13, w2, weights, ids, out=out) is out
+    assert (cp.asnumpy(out).view(np.uint16) == cp.asnumpy(aligned).view(np.uint16)).all()
+
+
 def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
     """M = 1: the GEMMs take one pair per block and no align runs, with int32 and with int64 ids; bitwise the
     aligned path of the same plan, for distinct and for repeated ids."""
