@@ -46,6 +46,7 @@ _ROUTER_L2_BYTES = 32 << 20
 KERNEL_NAMES = (["route_experts"] + [f"select_experts<{t}>" for t in ("float", "f16", "bf16")]
                 + [f"silu_and_mul<{t}>" for t in ("f16", "bf16")]
                 + [f"moe_sum<{t}, {i}>" for t in ("f16", "bf16") for i in ("int", "long long")]
+                + [f"add_shared<{t}>" for t in ("f16", "bf16")]
                 + [f"router_logits<{x}, {w}, {ec}, {tm}>" for x in ("f16", "bf16") for w in ("f16", "float")
                    for ec, tm in _ROUTER_TILES])
 
@@ -384,6 +385,18 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     return out
 
 
+def _add_shared(routed, shared, gate):
+    """routed + shared / (1 + exp(-gate)) (gate None: + shared) in float32, rounded once to routed's dtype: the
+    NumPy lines of MoELayer.__call__ in one launch. routed, shared [M, H] from fused_moe; gate float32 [M, 1]."""
+    out = cupy.empty_like(routed)
+    m, h = routed.shape
+    if m:
+        _compile.launch(_compile.get_kernel(_FILE, f"add_shared<{_ctype('hidden_states', routed.dtype)}>"),
+                        _grid(m * h // 8), (_THREADS,),
+                        (routed, shared, np.uintp(0) if gate is None else gate, out, np.int64(m), np.int32(h)))
+    return out
+
+
 def _xp_of(x):
     return cupy if is_device_array(x) else np
 
@@ -504,9 +517,11 @@ class MoELayer:
             shared = fused_moe(hidden_states, s.gate_up, s.down, one, zero)
         else:
             shared = _experts_general(hidden_states, s.gate_up, s.down, s.gate_up_bias, s.down_bias, one, zero)
+        gate = None if w.shared_gate_weight is None else _linear_f32(hidden_states, w.shared_gate_weight)  # [M, 1]
+        if xp is not np and out.shape[1] % 8 == 0:  # add_shared takes 8 columns at a time (dense experts: any H)
+            return _add_shared(out, shared, gate)
         shared = shared.astype(np.float32)
-        if w.shared_gate_weight is not None:
-            gate = _linear_f32(hidden_states, w.shared_gate_weight)  # [M, 1]
+        if gate is not None:
             shared = shared / (1.0 + xp.exp(-gate))
         return (out.astype(np.float32) + shared).astype(hidden_states.dtype)
 

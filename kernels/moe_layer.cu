@@ -3,6 +3,7 @@
 //   route_experts   the same for DeepSeek-style routing: sigmoid or softmax scores, a selection bias, group limits
 //   silu_and_mul    gate/up output [P, 2I] -> SiLU(gate) * up [P, I]
 //   moe_sum         down output [M*A, H] (routing weights already applied by the GEMM) -> [M, H]
+//   add_shared      routed [M, H] + shared experts [M, H] (scaled by a sigmoid gate) -> [M, H]
 //   router_logits   hidden [M, H] x router [E, H] -> logits [M, E] in float32
 // Each mirrors cupy_moe.reference exactly in where it rounds: float32 math, one rounding to T at the end.
 // No CUDA headers: NVRTC installs without cuda_fp16.h, so the 16-bit types are plain storage structs with
@@ -281,6 +282,27 @@ __global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_m
       acc = (e >= 0 && e < E) ? acc + v : acc;
     }
     out_mh[t] = from_float<T>(acc);
+  }
+}
+
+// out[m, h] = routed[m, h] + shared[m, h] / (1 + exp(-gate[m])) (gate null: + shared[m, h]), in float32, rounded
+// once to T: a layer's routed and shared experts, each already rounded to T (as cupy_moe.reference rounds them).
+// A thread takes 8 columns (H is a multiple of 32, every array is the layer's own).
+template <typename T>
+__global__ void add_shared(const T* __restrict__ routed_mh, const T* __restrict__ shared_mh,
+                           const float* __restrict__ gate_m, T* __restrict__ out_mh, long long M, int H) {
+  pdl::enter();
+  const int H8 = H / 8;
+  for (long long t = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; t < M * H8;
+       t += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long m = t / H8, at = m * H + static_cast<int>(t - m * H8) * 8;
+    float r[8], v[8];
+    load8(routed_mh + at, r);
+    load8(shared_mh + at, v);
+    const float scale = gate_m ? 1.0f + expf(-gate_m[m]) : 1.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) r[j] += gate_m ? v[j] / scale : v[j];
+    store8(out_mh + at, r);
   }
 }
 

@@ -100,6 +100,33 @@ def test_fused_moe_into_an_unaligned_out_gives_the_same_bits(tmp_path, dtype):
     assert (cp.asnumpy(out).view(np.uint16) == cp.asnumpy(aligned).view(np.uint16)).all()
 
 
+@pytest.mark.parametrize("h", [64, 40])  # 64: add_shared's one launch; 40 (dense experts only): the array expressions
+@pytest.mark.parametrize("gated", [False, True])
+def test_shared_experts_on_the_gpu_match_numpy(h, gated):
+    """MoELayer adds its shared experts (scaled by the sigmoid gate where it has one) as the NumPy path does."""
+    from cupy_moe.checkpoint import MoELayerWeights, SharedExpertWeights
+    rng = np.random.default_rng(h + gated)
+    e, i, i_s, m = 4, 32, 48, 9
+    f = lambda *shape, scale=0.2: (scale * rng.standard_normal(shape)).astype(np.float32)  # noqa: E731
+    host = MoELayerWeights(family="qwen2_moe", layer=0, hidden_size=h, intermediate_size=i, num_experts=e,
+                           w13=f(e, h, 2 * i), w2=f(e, i, h), router_weight=f(e, h, scale=1.0), top_k=2,
+                           renormalize=False, shared=SharedExpertWeights(f(1, h, 2 * i_s), f(1, i_s, h), i_s),
+                           shared_gate_weight=f(1, h, scale=1.0) if gated else None)
+    dev = MoELayerWeights(**{**vars(host), "w13": cp.asarray(host.w13), "w2": cp.asarray(host.w2),
+                             "router_weight": cp.asarray(host.router_weight),
+                             "shared": SharedExpertWeights(cp.asarray(host.shared.gate_up),
+                                                           cp.asarray(host.shared.down), i_s),
+                             "shared_gate_weight": None if not gated else cp.asarray(host.shared_gate_weight)})
+    x = rng.standard_normal((m, h)).astype(np.float16)
+    host_layer, dev_layer = cupy_moe.MoELayer(host), cupy_moe.MoELayer(dev)
+    want = host_layer(x).astype(np.float32)
+    got = cp.asnumpy(dev_layer(cp.asarray(x))).astype(np.float32)
+    assert got.shape == (m, h) and not np.isnan(got).any()
+    same = (cp.asnumpy(dev_layer.route(cp.asarray(x))[1]) == host_layer.route(x)[1]).all(axis=1)  # float32 routing
+    assert same.mean() >= 0.8
+    assert rel_l2(got[same], want[same]) <= REL_L2["float16"]
+
+
 def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
     """M = 1: the GEMMs take one pair per block and no align runs, with int32 and with int64 ids; bitwise the
     aligned path of the same plan, for distinct and for repeated ids."""
