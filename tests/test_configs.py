@@ -68,6 +68,19 @@ def test_a_split_64_row_pick_becomes_a_full_wave_of_128_row_tiles():
     assert choose(128, 8, 2, 4096, 28672, 4, 128, hopper=False).block_m == 64
 
 
+def test_small_tc_grids_that_would_split_far_take_16_row_blocks():
+    # a shared expert (one expert) at M = 64: 8 CTAs of 128 rows, split 15 ways -> 16-row blocks
+    assert choose(64, 1, 1, 5632, 2048, 4, 128).block_m == 16
+    # M = 256, K = 2048, N = 11264: 88 CTAs of 128 rows (fewer than the 132 SMs), 3 ways -> 16-row blocks
+    assert choose(256, 1, 1, 2048, 11264, 4, 128).block_m == 16
+    # M = 1024: split 2 ways at most -> the tc tile stays
+    cfg = choose(1024, 1, 1, 5632, 2048, 4, 128)
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 128, 2)
+    # Mixtral-8x22B down M = 128: 192 CTAs of 64 rows, more than the SMs -> stays 64 rows, split 4 ways
+    cfg = choose(256, 8, 1, 16384, 6144, 4, 128)
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 64, 4)
+
+
 def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
     # expected distinct experts under uniform routing: Mixtral M = 4, top-2 of 8 -> 8 * (1 - 0.75^4) = 5.47, not 8
     assert configs.expected_experts(4, 8, 2) == pytest.approx(8 * (1 - 0.75**4))

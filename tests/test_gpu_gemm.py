@@ -197,12 +197,12 @@ def test_gemm_deterministic_prefill():
     w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
     x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
     ids = cp.asarray(route(rng, m, e, a, "uniform"))
-    cfg = configs.choose_config(m, e, a, k, n, 4, 128)
+    cfg = configs.choose_config(m, e, a, k, n, 4, 128, block_m=128)  # (the rules would take 16-row blocks)
     assert cfg.kind == "tc" and cfg.split_k > 1
     s, eids, post = moe_align_block_size(ids, cfg.block_m, e)
-    first = fused_moe_gemm(x, w, s, eids, post, a)
+    first = fused_moe_gemm(x, w, s, eids, post, a, config=cfg)
     for _ in range(10):
-        again = fused_moe_gemm(x, w, s, eids, post, a)
+        again = fused_moe_gemm(x, w, s, eids, post, a, config=cfg)
         assert cp.array_equal(first.view(cp.uint16), again.view(cp.uint16))
 
 
