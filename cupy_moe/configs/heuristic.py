@@ -20,8 +20,8 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
    act-order shape, a swapped shape off sm_90a, with act-order or with pair-ordered activations the portable one.
 
 Rules 1 and 3 choose the block size without looking at act-order; rule 2 counts the CTAs per SM of the instance
-that act-order compiles. Every rule and constant was measured on an H200 (132 SMs); docs/heuristic.md holds the
-A/Bs behind them.
+that act-order compiles. Every rule and constant was measured on an H200 (132 SMs), SPLIT_TC_MAX on an H100 (132
+SMs); docs/heuristic.md holds the A/Bs behind them.
 """
 from __future__ import annotations
 
