@@ -387,7 +387,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
 
 def _add_shared(routed, shared, gate):
     """routed + shared / (1 + exp(-gate)) (gate None: + shared) in float32, rounded once to routed's dtype: the
-    NumPy lines of MoELayer.__call__ in one launch. routed, shared [M, H] from fused_moe; gate float32 [M, 1]."""
+    NumPy lines of MoELayer.__call__ in one launch. routed, shared [M, H], H a multiple of 8, as the experts'
+    paths return them (contiguous, aligned); gate float32 [M, 1] or None."""
     out = cupy.empty_like(routed)
     m, h = routed.shape
     if m:

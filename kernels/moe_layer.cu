@@ -287,7 +287,7 @@ __global__ void moe_sum(const T* __restrict__ x_pah, const I* __restrict__ ids_m
 
 // out[m, h] = routed[m, h] + shared[m, h] / (1 + exp(-gate[m])) (gate null: + shared[m, h]), in float32, rounded
 // once to T: a layer's routed and shared experts, each already rounded to T (as cupy_moe.reference rounds them).
-// A thread takes 8 columns (H is a multiple of 32, every array is the layer's own).
+// A thread takes 8 columns: the launcher runs it where H is a multiple of 8 (every array is the layer's own, aligned).
 template <typename T>
 __global__ void add_shared(const T* __restrict__ routed_mh, const T* __restrict__ shared_mh,
                            const float* __restrict__ gate_m, T* __restrict__ out_mh, long long M, int H) {
