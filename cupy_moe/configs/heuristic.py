@@ -8,8 +8,9 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
    waves = ceil(CTAs x slices / (ctas_per_sm x SM count)). The tc tiles split only grids of less than one wave.
    Split-K is deterministic: each tile's last CTA sums the fp32 partials in slice order; no atomics on outputs.
 3. A split 64-row pick becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE of its waves; a
-   64- or 128-row pick whose unsplit grid has fewer CTAs than the GPU has SMs and that rule 2 would split more
-   than SPLIT_TC_MAX ways (one expert with few column tiles: a shared expert) becomes 16 rows.
+   64- or 128-row pick with at most SPLIT_TC_ROWS_MAX rows per expert, whose unsplit grid has fewer CTAs than the
+   GPU has SMs and that rule 2 would split more than SPLIT_TC_MAX ways (one expert with few column tiles: a shared
+   expert) becomes 16 rows.
 4. A split 16-row pick becomes DECODE_WK, one CTA per column strip, where its warps' slices are at most
    WARPS_K_EXTRA_STAGES stages longer than the split's; except a 2-way split whose grid fits one wave with at most
    8 rows per expert (the swapped path), which stays 16 x 128.
@@ -35,7 +36,7 @@ from .tuned import tuned_entry
 
 __all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order",
            "ROWS_16_MAX", "ROWS_64_MAX", "SPLIT_FILL_STAGES", "FULL_WAVE", "SPLIT_TC_MAX",
-           "WARPS_K_EXTRA_STAGES"]
+           "SPLIT_TC_ROWS_MAX", "WARPS_K_EXTRA_STAGES"]
 
 # Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
 # (Mixtral-8x22B gate/up M = 64: 421 against 498 us); at 32 rows the 64-row tile beat it too (Qwen2-57B-A14B gate/up
@@ -56,8 +57,11 @@ FULL_WAVE = 0.9
 # tile. On grids of fewer CTAs than SMs, 16-row blocks (which dequantize the weights once per 16 rows) were faster on
 # all 8 such problems of one expert (H100, M = 64 and 256; K = 5632, N = 2048, M = 64: 14.7 us against 112.1 with 128
 # rows 15 ways; K = 2048, N = 11264, M = 256: 60.6 against 104.4 with 128 rows 3 ways, 88 CTAs unsplit). Not on a
-# larger grid: Mixtral-8x22B down M = 128 (64 rows 4 ways, 192 CTAs unsplit) took 323.2 us against 350.7.
+# larger grid: Mixtral-8x22B down M = 128 (64 rows 4 ways, 192 CTAs unsplit) took 323.2 us against 350.7. At 1024
+# rows the 16 x 128 blocks dequantize each weight 64 times: K = 2048, N = 11264 took 222.5 us against 97.7 (tc, one
+# slice), so the rule stops at the 256 rows per expert (16 blocks) where it was measured.
 SPLIT_TC_MAX = 2
+SPLIT_TC_ROWS_MAX = 256
 # Rule 4. Splits of 2-4 run as 4 warps along K in 0.82-1.03 of the split time (Mixtral-8x7B down M = 64: 134.4
 # against 162.3 us); a split of 5 on long K (32 stages a warp against 26) lost, 48.6 against 45.3. Negative: never.
 WARPS_K_EXTRA_STAGES = 1
@@ -189,7 +193,7 @@ def _block_size(problem: _Problem, k: int) -> int:
         ctas, slots = problem.ctas(big), problem.slots(big, False)
         if ctas >= FULL_WAVE * slots * -(-ctas // slots):
             return 128
-    if block_m > 16:
+    if block_m > 16 and rows <= SPLIT_TC_ROWS_MAX:
         shape = problem.shape(block_m)
         if problem.ctas(shape) < problem.gpu.sm_count and problem.split(shape, k, False) > SPLIT_TC_MAX:
             return 16
