@@ -12,8 +12,10 @@ NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
     hidden [M, H] --fused_moe_gemm(w13, top_k=A)--> x1 [P, 2I]        one launch
     x1 --silu_and_mul--> act [P, I]                                   one launch (4-bit w2, 16-row blocks: pair order)
     act --fused_moe_gemm(w2, top_k=1, topk_weights)--> x2 [P, H]      one launch, routing weights fused
-    x2 --moe_sum--> out [M, H]                                        one launch
+    x2 --moe_sum--> out [M, H]                                        one launch (A = 1: none, the GEMM writes out)
 
+MoELayer runs its shared experts through the same launches (one expert, A = 1) on a side stream of the caller's
+stream, concurrently with the routing and the routed experts, and adds them with add_shared (one launch).
 Nothing on the GPU path reads device memory on the host, so a forward can be captured in a CUDA graph
 (`MoELayer.capture`).
 """
@@ -375,11 +377,15 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     act = cp.empty((p, i), dtype)
     _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i // 8), (_THREADS,),
                     (x1, act, np.int64(p), np.int32(i), np.int32(plan.pair_order)))
+    vec = out.data.ptr % 16 == 0  # H is a multiple of 32 and x2 is ours: only a caller's `out` can be unaligned
+    if a == 1 and vec:  # one slot per token (shared experts): the down GEMM writes the sum's values into out
+        out.data.memset_async(0, out.nbytes)  # a token whose id is outside [0, E) gets zeros, as from the sum
+        return fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=out,
+                              a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
     x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
                         a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
     ids = cp.ascontiguousarray(topk_ids)  # the sum skips ids outside [0, E), as the GEMMs did
     itype = "int" if ids.dtype == np.int32 else "long long"
-    vec = out.data.ptr % 16 == 0  # H is a multiple of 32 and x2 is ours: only a caller's `out` can be unaligned
     _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}, {itype}>"), _grid(m * h // (8 if vec else 1)),
                     (_THREADS,), (x2, ids, out, np.int64(m), np.int32(a), np.int32(h), np.int32(e), np.int32(vec)))
     return out
@@ -400,6 +406,36 @@ def _add_shared(routed, shared, gate):
 
 def _xp_of(x):
     return cupy if is_device_array(x) else np
+
+
+def _experts(x, w13, w2, b13, b2, weights, ids):
+    """Routed or shared experts: `fused_moe` where it takes the weights (GPTQ, no biases), else `_experts_general`."""
+    if (isinstance(w13, StackedGptqWeight) and isinstance(w2, StackedGptqWeight)
+            and b13 is None and b2 is None):
+        return fused_moe(x, w13, w2, weights, ids)
+    return _experts_general(x, w13, w2, b13, b2, weights, ids)
+
+
+# (device, stream) -> the side stream that MoELayer runs the shared experts of calls on that stream on. A side stream
+# per stream: memory a side stream frees goes back to the pool for that side stream only, and its next work waits
+# for the stream's later work, so nothing it allocates is reused while the stream may still read it.
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream():
+    key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+    side = _SIDE_STREAMS.get(key)
+    if side is None:
+        side = _SIDE_STREAMS[key] = cupy.cuda.Stream(non_blocking=True)
+    return side
+
+
+def take_stream_scratch(stream):
+    """Remove what calls on `stream` cached for it (on the current device) from the caches and return it: the
+    split-K workspace of its GEMMs, and its side stream with that stream's workspace. A CUDA graph captured on the
+    stream holds it, so that its memory lives as long as the graph and no later call uses it under the graph."""
+    side = _SIDE_STREAMS.pop((cupy.cuda.Device().id, stream.ptr), None)
+    return take_stream_workspace(stream), side, None if side is None else take_stream_workspace(side)
 
 
 def _experts_general(x, w13, w2, b13, b2, weights, ids):
@@ -481,6 +517,9 @@ class MoELayer:
     def route(self, hidden_states):
         """topk_weights float32 [M, A] and topk_ids int32 [M, A] for hidden_states [M, H]."""
         self._check_input(hidden_states)
+        return self._route(hidden_states)
+
+    def _route(self, hidden_states):
         w = self.weights
         logits = _linear_f32(hidden_states, w.router_weight)  # [M, E] float32
         if w.router_bias is not None:
@@ -498,33 +537,45 @@ class MoELayer:
 
     def __call__(self, hidden_states):
         """The layer's output [M, H] in hidden_states' dtype (float16 or bfloat16 on the GPU)."""
-        weights, ids = self.route(hidden_states)
+        self._check_input(hidden_states)
         w = self.weights
-        fast = (isinstance(w.w13, StackedGptqWeight) and isinstance(w.w2, StackedGptqWeight)
-                and w.w13_bias is None and w.w2_bias is None)
-        if fast:
-            out = fused_moe(hidden_states, w.w13, w.w2, weights, ids)
-        else:
-            out = _experts_general(hidden_states, w.w13, w.w2, w.w13_bias, w.w2_bias, weights, ids)
-        if w.shared is None:
+        shared = None if w.shared is None else self._shared_experts(hidden_states)
+        weights, ids = self._route(hidden_states)
+        out = _experts(hidden_states, w.w13, w.w2, w.w13_bias, w.w2_bias, weights, ids)
+        if shared is None:
             return out
-        xp = _xp_of(hidden_states)
-        m = hidden_states.shape[0]
-        s = w.shared
-        one = xp.ones((m, 1), np.float32)
-        zero = xp.zeros((m, 1), np.int32)
-        if (isinstance(s.gate_up, StackedGptqWeight) and isinstance(s.down, StackedGptqWeight)
-                and s.gate_up_bias is None and s.down_bias is None):
-            shared = fused_moe(hidden_states, s.gate_up, s.down, one, zero)
-        else:
-            shared = _experts_general(hidden_states, s.gate_up, s.down, s.gate_up_bias, s.down_bias, one, zero)
-        gate = None if w.shared_gate_weight is None else _linear_f32(hidden_states, w.shared_gate_weight)  # [M, 1]
-        if xp is not np and out.shape[1] % 8 == 0:  # add_shared takes 8 columns at a time (dense experts: any H)
+        shared, gate, done = shared
+        if done is not None:
+            cupy.cuda.get_current_stream().wait_event(done)
+        if is_device_array(out) and out.shape[1] % 8 == 0:  # add_shared takes 8 columns at a time (dense: any H)
             return _add_shared(out, shared, gate)
+        xp = _xp_of(out)
         shared = shared.astype(np.float32)
         if gate is not None:
             shared = shared / (1.0 + xp.exp(-gate))
         return (out.astype(np.float32) + shared).astype(hidden_states.dtype)
+
+    def _shared_experts(self, x):
+        """(the shared experts' output [M, H], the sigmoid gate's logits float32 [M, 1] or None, an event or None).
+        On the GPU they run on the side stream of the current one, as they need nothing of the routing: the two
+        overlap, and the caller waits for the event before it reads them."""
+        w = self.weights
+        s = w.shared
+        xp = _xp_of(x)
+
+        def run():
+            m = x.shape[0]
+            shared = _experts(x, s.gate_up, s.down, s.gate_up_bias, s.down_bias, xp.ones((m, 1), np.float32),
+                              xp.zeros((m, 1), np.int32))
+            return shared, None if w.shared_gate_weight is None else _linear_f32(x, w.shared_gate_weight)
+
+        if xp is np:
+            return (*run(), None)
+        main, side = cupy.cuda.get_current_stream(), _side_stream()
+        side.wait_event(main.record(cupy.cuda.Event(disable_timing=True)))
+        with side:
+            shared, gate = run()
+            return shared, gate, side.record(cupy.cuda.Event(disable_timing=True))
 
     def capture(self, hidden_states):
         """Capture one forward on `hidden_states`' buffer into a CUDA graph (see `capture`)."""
@@ -536,8 +587,8 @@ def capture(fn, *args):
     """Capture `fn(*args)` (GPU work only, no host reads) into a CUDA graph.
 
     Runs fn once eagerly (compiling kernels, sizing cached workspaces), then captures a second call on a private
-    stream with a private memory pool. The returned `CapturedForward` holds the pool and the split-K workspace
-    cached for that stream, so that the graph's intermediates and scratch live as long as it does. Write new
+    stream with a private memory pool. The returned `CapturedForward` holds the pool and what the calls cached for
+    that stream (`take_stream_scratch`), so that the graph's intermediates and scratch live as long as it does. Write new
     values into the same input arrays, then `replay()`; read `.out`.
     """
     cp = require_gpu("capturing a CUDA graph")
@@ -552,7 +603,7 @@ def capture(fn, *args):
                 out = fn(*args)
             finally:
                 graph = stream.end_capture()
-    return CapturedForward(graph, stream, (pool, take_stream_workspace(stream)), args, out)
+    return CapturedForward(graph, stream, (pool, take_stream_scratch(stream)), args, out)
 
 
 class CapturedForward:

@@ -57,9 +57,9 @@ def graph_time(calls: Sequence[Callable[[], object]], reps: int = 10, warmup: in
         finally:
             graph = stream.end_capture()
     seconds = event_time(lambda i: graph.launch(stream), reps, warmup, stream) / len(calls)
-    if own:  # the stream ends with this call: so does the split-K workspace the GEMMs cached for it
-        from .gemm import take_stream_workspace
-        take_stream_workspace(stream)
+    if own:  # the stream ends with this call: so does what the calls cached for it (split-K workspace, side stream)
+        from .layer import take_stream_scratch
+        take_stream_scratch(stream)
     return seconds
 
 

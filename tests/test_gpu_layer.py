@@ -371,8 +371,10 @@ def test_graph_replay_is_bitwise_the_eager_result(tmp_path, family):
     layer = cupy_moe.load_moe_layer(tmp_path, 0)
     x = cp.asarray(np.random.default_rng(0).standard_normal((12, H)).astype(np.float16))
     captured = layer.capture(x)
-    # the graph holds its stream's split-K workspace: no later call can grow (free) it under the graph
-    assert (cp.cuda.Device().id, captured.stream.ptr) not in cupy_moe.gemm._WORKSPACES
+    # the graph holds its stream's split-K workspace and side stream: no later call can grow (free) or use them
+    # under the graph
+    key = (cp.cuda.Device().id, captured.stream.ptr)
+    assert key not in cupy_moe.gemm._WORKSPACES and key not in cupy_moe.layer._SIDE_STREAMS
     for seed in (1, 2):
         x[...] = cp.asarray(np.random.default_rng(seed).standard_normal((12, H)).astype(np.float16))
         cp.cuda.Device().synchronize()  # the graph's stream does not wait for the default stream
@@ -394,12 +396,13 @@ def test_dlpack_inputs_are_used_without_a_copy(tmp_path):
     torch.testing.assert_close(y, torch.from_dlpack(layer(cp.asarray(xt.cpu().numpy()))), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: shared experts on the side stream
 @pytest.mark.parametrize("m", [1, 40])
-def test_programmatic_dependent_launch_changes_nothing(tmp_path, monkeypatch, m):
+def test_programmatic_dependent_launch_changes_nothing(tmp_path, monkeypatch, m, family):
     """With programmatic dependent launch (compute capability 9.0+, kernels/pdl.cuh) a kernel may start before the
     previous one ends and must wait before touching memory: eight layers in a row, each reading the previous output,
     eager and replayed from a CUDA graph, give bitwise what plain launches give."""
-    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
+    write_checkpoint(tmp_path, family=family, hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
                      return_weights=False)
     layer = cupy_moe.load_moe_layer(tmp_path, 0)
     x0 = cp.asarray(np.random.default_rng(m).standard_normal((m, H)).astype(np.float16))
@@ -427,3 +430,22 @@ def test_programmatic_dependent_launch_changes_nothing(tmp_path, monkeypatch, m)
             stream.synchronize()
             cp.testing.assert_array_equal(captured.view(cp.uint16), plain.view(cp.uint16))
     cp.testing.assert_array_equal(eager.view(cp.uint16), plain.view(cp.uint16))
+
+
+def test_shared_experts_side_stream_on_two_streams(tmp_path):
+    """MoELayer runs the shared experts on a side stream of the caller's stream: calls alternating between two
+    streams, nothing synchronized until the end, give the bits of the same calls on the default stream."""
+    write_checkpoint(tmp_path, family="qwen2_moe", hidden=H, intermediate=I, num_experts=E, top_k=2, group_size=128,
+                     return_weights=False)
+    layer = cupy_moe.load_moe_layer(tmp_path, 0)
+    xs = [cp.asarray(np.random.default_rng(m).standard_normal((m, H)).astype(np.float16)) for m in (1, 33, 1, 300)]
+    want = [cp.asnumpy(layer(x)) for x in xs]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    got = []
+    for _ in range(4):
+        for k, x in enumerate(xs):
+            with streams[k % 2]:
+                got.append(layer(x))
+    cp.cuda.Device().synchronize()
+    for k, y in enumerate(got):
+        np.testing.assert_array_equal(cp.asnumpy(y).view(np.uint16), want[k % len(xs)].view(np.uint16))
