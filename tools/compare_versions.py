@@ -1,25 +1,29 @@
 """Two versions of cupy_moe side by side in one process: per row, the checksum of each version's output and each
 version's time, so that a refactor can be shown to keep results bitwise and speed within noise.
 
-    python tools/compare_versions.py OTHER_CHECKOUT [--models ...] [--m 1,16,64,256,1024,4096] [--json FILE]
+    python tools/compare_versions.py OTHER_CHECKOUT [--models ...] [--m 1,16,64,256,1024,4096] [--rows gemm,layer]
+                                     [--rounds R] [--json FILE]
 
 OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
 package is imported as a second module next to this checkout's `cupy_moe`. Rows are (model, phase, M) as in
 benchmarks/bench_gemm.py, on random 4-bit weights (G = 128, real zero points) and fp16 activations, with the routing
 of each version's own choice (M = 1: one pair per block, as fused_moe runs it; down on 16-row blocks: pair-ordered
-activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M. Both versions see
-the same inputs; each runs only its public API (`choose_config` for the block size, `moe_align_block_size`,
-`fused_moe_gemm`, `fused_moe`), so any two versions since the tile choice took its present signature can be
-compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R
-each version is timed R times per row in alternating order and the median counts. Exit status 1 when a
-checksum differs. A version's own tuned tables (cupy_moe/configs/tuned/, the user's cache) steer its choices: to
-compare two versions on the same configurations where only one ships a table for this GPU, move that table aside
-for the run.
+activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M. `--rows` picks
+which: `gemm` and `layer` by default; `moe_layer` adds, for the models with shared experts and at every M, a whole
+`MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert gated), whose router and shared weights
+come in 4 copies used in turn so that they are not read from L2. Both versions see the same inputs; each runs only
+its public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`,
+`MoELayer`), so any two versions since the tile choice took its present signature can be compared. Times are graph
+replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R each version is timed R times
+per row in alternating order and the median counts. Exit status 1 when a checksum differs. A version's own tuned
+tables (cupy_moe/configs/tuned/, the user's cache) steer its choices: to compare two versions on the same
+configurations where only one ships a table for this GPU, move that table aside for the run.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import importlib.util
 import json
 import sys
@@ -78,11 +82,25 @@ def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n):
     return f"{cfg.block_m}/{cfg.split_k}/{cfg.kind}", calls, outs
 
 
+def moe_layer_calls(pkg, model, w13, w2, copies, xs):
+    """One zero-argument call per input of `xs` for package `pkg`: a MoELayer of the model's shape on the routed
+    weights w13, w2 (pkg's own) and the router and shared weights of `copies` in turn."""
+    ckpt = importlib.import_module(pkg.__name__ + ".checkpoint")
+    layers = [pkg.MoELayer(ckpt.MoELayerWeights(
+        family=model.family, layer=0, hidden_size=model.hidden, intermediate_size=model.intermediate,
+        num_experts=model.num_experts, w13=w13, w2=w2, router_weight=c["router"], top_k=model.top_k,
+        renormalize=False, shared_gate_weight=c["gate"],
+        shared=ckpt.SharedExpertWeights(same_weight(pkg, c["gate_up"]), same_weight(pkg, c["down"]),
+                                        model.shared_intermediate))) for c in copies]
+    return [lambda layer=layers[k % len(layers)], x=x: layer(x) for k, x in enumerate(xs)]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("other", type=Path, help="root of the other checkout")
     ap.add_argument("--models", default=",".join(BENCHMARK_MODELS))
     ap.add_argument("--m", default="1,16,64,256,1024,4096")
+    ap.add_argument("--rows", default="gemm,layer", help="comma-separated: gemm, layer, moe_layer")
     ap.add_argument("--reps", type=int, default=10, help="graph replays per timing")
     ap.add_argument("--rounds", type=int, default=1,
                     help="timings per version and row, the order of the two versions alternating; the row's time "
@@ -91,6 +109,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import cupy as cp
     versions = {"this": cupy_moe, "other": import_other(args.other.resolve())}
+    kinds = set(args.rows.split(","))
+    if not kinds <= {"gemm", "layer", "moe_layer"}:
+        raise SystemExit(f"compare_versions: --rows: expected some of gemm, layer, moe_layer, got {args.rows}")
     results = []
     print(f"{'model':18s} {'phase':7s} {'M':>5s} {'this cfg':>12s} {'other cfg':>12s} {'this us':>9s} "
           f"{'other us':>9s} {'ratio':>6s}  checksum")
@@ -100,6 +121,15 @@ def main(argv=None) -> int:
         drawn = {ph: cupy_moe.StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=seed)
                  for seed, (ph, (k, n, _)) in enumerate(phases.items(), 1)}
         weights = {ph: {v: same_weight(pkg, w) for v, pkg in versions.items()} for ph, w in drawn.items()}
+        copies = []
+        if "moe_layer" in kinds and model.shared_intermediate:
+            s_i, rs, draw = model.shared_intermediate, cp.random.RandomState(5), cupy_moe.StackedGptqWeight.random
+            copies = [dict(router=(0.05 * rs.standard_normal((e, h))).astype(cp.float32),
+                           gate=(0.05 * rs.standard_normal((1, h))).astype(cp.float32)
+                           if model.family == "qwen2_moe" else None,
+                           gate_up=draw(1, h, 2 * s_i, bits=BITS, group_size=G, seed=10 + c),
+                           down=draw(1, s_i, h, bits=BITS, group_size=G, seed=20 + c))
+                      for c in range(4)]
         for m in (int(v) for v in args.m.split(",")):
             rng = np.random.default_rng(7 * m + len(model.name))
             sets = [(cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)),
@@ -107,26 +137,34 @@ def main(argv=None) -> int:
                      cp.asarray(rng.standard_normal((m, h)).astype(np.float16)),
                      cp.asarray((0.5 * rng.standard_normal((m * a, inter))).astype(np.float16)))
                     for _ in range(ROTATIONS)]
-            for phase, (k, n, _) in phases.items():
+            for phase, (k, n, _) in phases.items() if "gemm" in kinds else ():
                 row, timed = dict(model=model.name, phase=phase, m=m), {}
                 for v, pkg in versions.items():
                     label, timed[v], outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n)
                     timed[v][0]()
                     row[f"{v}_config"], row[f"{v}_checksum"] = label, digest(cp, outs[0])
                 results.append(report(time_rounds(row, timed, args)))
-            if m in LAYER_MS:
+            if "layer" in kinds and m in LAYER_MS:
                 row, timed = dict(model=model.name, phase="layer", m=m), {}
                 for v, pkg in versions.items():
                     timed[v] = [lambda f=pkg.fused_moe, w13=weights["gate_up"][v], w2=weights["down"][v], s=s:
                                 f(s[2], w13, w2, s[1], s[0]) for s in sets]
                     row[f"{v}_checksum"] = digest(cp, timed[v][0]())
                 results.append(report(time_rounds(row, timed, args)))
-        del weights, drawn
+            if copies:
+                row, timed = dict(model=model.name, phase="MoELayer", m=m), {}
+                for v, pkg in versions.items():
+                    timed[v] = moe_layer_calls(pkg, model, weights["gate_up"][v], weights["down"][v], copies,
+                                               [s[2] for s in sets])
+                    row[f"{v}_checksum"] = digest(cp, timed[v][0]())
+                results.append(report(time_rounds(row, timed, args)))
+        del weights, drawn, copies
         cp.get_default_memory_pool().free_all_blocks()
     same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
     print(f"# checksums: {same}/{len(results)} rows identical")
-    for kind, rows in (("GEMM", [r for r in results if r["phase"] != "layer"]),
-                       ("layer", [r for r in results if r["phase"] == "layer"])):
+    for kind, rows in (("GEMM", [r for r in results if r["phase"] in ("gate_up", "down")]),
+                       ("layer", [r for r in results if r["phase"] == "layer"]),
+                       ("MoELayer", [r for r in results if r["phase"] == "MoELayer"])):
         ratios = np.array([r["this_us"] / r["other_us"] for r in rows])
         if ratios.size:
             print(f"# time this/other over {ratios.size} {kind} rows: median {np.median(ratios):.3f}, "
