@@ -588,8 +588,8 @@ def capture(fn, *args):
 
     Runs fn once eagerly (compiling kernels, sizing cached workspaces), then captures a second call on a private
     stream with a private memory pool. The returned `CapturedForward` holds the pool and what the calls cached for
-    that stream (`take_stream_scratch`), so that the graph's intermediates and scratch live as long as it does. Write new
-    values into the same input arrays, then `replay()`; read `.out`.
+    that stream (`take_stream_scratch`), so that the graph's intermediates and scratch live as long as it does.
+    Write new values into the same input arrays, then `replay()`; read `.out`.
     """
     cp = require_gpu("capturing a CUDA graph")
     stream = cp.cuda.Stream(non_blocking=True)
