@@ -172,6 +172,30 @@ def test_fused_moe_slots_with_ids_outside_the_experts_add_nothing(tmp_path, m, d
     assert rel_l2(cp.asnumpy(got).astype(np.float32), want.astype(np.float32)) <= REL_L2["float16"]
 
 
+@pytest.mark.parametrize("m", [1, 37])
+def test_fused_moe_one_slot_writes_the_down_gemm_into_out(tmp_path, m):
+    """One slot per token (top_k = 1, as the shared experts run): the down GEMM writes `out` itself after a zero fill,
+    so a token whose id is outside [0, E) gets zeros; the values are those of the top-k sum, which still runs where
+    a caller's `out` is not 16-byte aligned."""
+    write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
+                     group_size=64, return_weights=False)
+    host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
+    w13, w2 = host.w13.to_device(), host.w2.to_device()
+    rng = np.random.default_rng(m)
+    x = cp.asarray(rng.standard_normal((m, H)).astype(np.float16))
+    weights = cp.asarray(rng.uniform(0.5, 1.5, (m, 1)).astype(np.float32))
+    ids = rng.integers(0, E, (m, 1))
+    ids[::3] = np.array([-1, E])[np.arange(len(ids[::3])) % 2][:, None]  # every third token: an id outside
+    ids = cp.asarray(ids.astype(np.int32))
+    direct = fused_moe(x, w13, w2, weights, ids, out=cp.full((m, H), np.nan, np.float16))
+    unaligned = cp.full(m * H + 1, np.nan, np.float16)[1:].reshape(m, H)
+    assert unaligned.data.ptr % 16
+    summed = fused_moe(x, w13, w2, weights, ids, out=unaligned)
+    direct, summed = cp.asnumpy(direct).astype(np.float32), cp.asnumpy(summed).astype(np.float32)
+    assert not np.isnan(direct).any() and (direct[::3] == 0).all() and (m == 1 or (direct[1::3] != 0).any())
+    np.testing.assert_array_equal(direct, summed)  # equal values (a -0 of the GEMM is +0 after the sum)
+
+
 def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypatch):
     """A plan made once: calls with it choose no configuration, use the plan's split-K workspace (the per-stream
     cache stays empty) and give bitwise the result of calls without one."""
