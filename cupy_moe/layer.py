@@ -539,12 +539,12 @@ class MoELayer:
         """The layer's output [M, H] in hidden_states' dtype (float16 or bfloat16 on the GPU)."""
         self._check_input(hidden_states)
         w = self.weights
-        shared = None if w.shared is None else self._shared_experts(hidden_states)
+        started = None if w.shared is None else self._shared_experts(hidden_states)
         weights, ids = self._route(hidden_states)
         out = _experts(hidden_states, w.w13, w.w2, w.w13_bias, w.w2_bias, weights, ids)
-        if shared is None:
+        if started is None:
             return out
-        shared, gate, done = shared
+        shared, gate, done = started
         if done is not None:
             cupy.cuda.get_current_stream().wait_event(done)
         if is_device_array(out) and out.shape[1] % 8 == 0:  # add_shared takes 8 columns at a time (dense: any H)
