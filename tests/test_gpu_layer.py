@@ -1,12 +1,14 @@
 """The whole MoE layer on the GPU against the NumPy path, select_experts, CUDA graph replay, DLPack interop."""
 import numpy as np
 import pytest
+from hypothesis import given, strategies as st
 
 import cupy_moe
 from cupy_moe import reference
-from cupy_moe.layer import fused_moe, select_experts
+from cupy_moe.layer import fused_moe, plan_moe, select_experts
 from cupy_moe.testing import dense_layer_output, write_checkpoint
 
+from random_weights import make_weight
 from tolerances import REL_L2
 
 pytestmark = pytest.mark.gpu
@@ -78,6 +80,51 @@ def test_fused_moe_gpu_matches_reference(tmp_path, dtype, m):
     got = cp.asnumpy(got).astype(np.float32)
     assert not np.isnan(got).any()
     assert rel_l2(got, want.astype(np.float32)) <= REL_L2[dtype]
+
+
+@st.composite
+def layer_cases(draw):
+    e = draw(st.sampled_from([1, 2, 3, 8, 60, 128]))
+    return dict(e=e, a=draw(st.integers(1, min(e, 8))), m=draw(st.sampled_from([1, 2, 7, 33, 130, 300])),
+                h=draw(st.sampled_from([32, 96, 256, 544])), i=draw(st.sampled_from([32, 64, 96, 384])),
+                bits=draw(st.sampled_from([4, 8])), group_size=draw(st.sampled_from([32, 64, 128, -1])),
+                sym=draw(st.booleans()), act_order=draw(st.booleans()),
+                dtype=draw(st.sampled_from(["float16", "bfloat16"])),
+                ids_dtype=draw(st.sampled_from(["int32", "int64"])), outside=draw(st.sampled_from([0.0, 0.2, 1.0])),
+                out=draw(st.sampled_from([None, "aligned", "unaligned"])), plan=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31)))
+
+
+@given(layer_cases())
+def test_fused_moe_fuzz(case):
+    """fused_moe over random shapes (E, A, M, H, I), bits, group sizes, zero points, act-order, dtypes, id dtypes,
+    slots with ids outside [0, E) (none, some, all), into a new, an aligned or an unaligned `out`, with and without
+    a plan: the reference's values, a slot with an id outside adding nothing (the reference with weight 0 there)."""
+    rng = np.random.default_rng(case["seed"])
+    e, a, m, h, i = (case[k] for k in "eamhi")
+    w13 = make_weight(rng, e, h, 2 * i, case["bits"], case["group_size"], case["sym"], case["act_order"])
+    w2 = make_weight(rng, e, i, h, case["bits"], case["group_size"], case["sym"], case["act_order"])
+    x = rng.standard_normal((m, h)).astype(_dtype(case["dtype"]))
+    weights = rng.uniform(0.1, 1.0, (m, a)).astype(np.float32)
+    ids = np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)
+    bad = rng.random((m, a)) < case["outside"]
+    ids_gpu = np.where(bad, rng.choice([-1, e, 2**31 - 1], (m, a)), ids).astype(case["ids_dtype"])
+    want = reference.fused_moe(x, w13, w2, np.where(bad, 0, weights).astype(np.float32), ids).astype(np.float32)
+    dev13, dev2 = w13.to_device(), w2.to_device()
+    out = None
+    if case["out"] == "aligned":
+        out = cp.full((m, h), np.nan, np.float32).astype(x.dtype)
+    elif case["out"] == "unaligned":
+        out = cp.full(m * h + 1, np.nan, np.float32).astype(x.dtype)[1:].reshape(m, h)
+    plan = plan_moe(m, dev13, dev2, a) if case["plan"] else None
+    got = fused_moe(cp.asarray(x), dev13, dev2, cp.asarray(weights), cp.asarray(ids_gpu), out=out, plan=plan)
+    assert out is None or got is out
+    got = cp.asnumpy(got).astype(np.float32)
+    assert got.shape == (m, h) and not np.isnan(got).any()
+    if not want.any():  # every slot outside: zeros
+        assert not got.any()
+    else:
+        assert rel_l2(got, want) <= REL_L2[case["dtype"]]
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
