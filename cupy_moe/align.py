@@ -56,19 +56,20 @@ def moe_align_block_size(topk_ids, block_size, num_experts):
     experts [1, 3, 1, 0, 3, 1], C = (6 + 4*3) // 4 * 4 = 16:
         sorted_token_ids = [3, 6, 6, 6,  0, 2, 5, 6,  1, 4, 6, 6,  6, 6, 6, 6]
         expert_ids = [0, 1, 3, -1], num_tokens_post_padded = [12]
-    On the GPU, ids outside [0, E) are skipped (checking them would need a host sync); the reference raises.
+    B <= 1024 and the limits above hold on both paths. On the GPU, ids outside [0, E) are skipped (checking them
+    would need a host sync); the reference raises.
     """
     check_input("topk_ids", topk_ids, ("int32", "int64"), "[M, A]")
-    if not is_device_array(topk_ids):
-        from . import reference
-        return reference.moe_align_block_size(topk_ids, block_size, num_experts)
-    cp = require_gpu("moe_align_block_size on CuPy arrays")
-    # check
+    # the kernels' limits, on both paths (a NumPy script moves over unchanged)
     b = _check_int("block_size", block_size, 1, MAX_BLOCK_SIZE)
     e = _check_int("num_experts", num_experts, 1, MAX_EXPERTS)
     p = topk_ids.size
     if p > MAX_PAIRS:
         raise ValueError(f"topk_ids: expected M*A <= {MAX_PAIRS} pairs (2**26), got {p} = {topk_ids.shape}")
+    if not is_device_array(topk_ids):
+        from . import reference
+        return reference.moe_align_block_size(topk_ids, b, e)
+    cp = require_gpu("moe_align_block_size on CuPy arrays")
     ids = cp.ascontiguousarray(topk_ids)
     capacity = align_capacity(p, b, e)
     # allocate

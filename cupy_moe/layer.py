@@ -333,7 +333,8 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     nothing to its token's row; the NumPy path raises.
     out: [M, H] of hidden_states' dtype to write into, or None.
     Returns [M, H] in hidden_states' dtype. Roundings as `cupy_moe.reference.fused_moe`: x1, act, x2 and the
-    output are each rounded once to the dtype; everything between is float32.
+    output are each rounded once to the dtype; everything between is float32 on the GPU (float64 inside the
+    reference's GEMMs).
     NumPy inputs run the reference. On the GPU the intermediates come from CuPy's memory pool; to replay the
     call in a CUDA graph, capture it with `cupy_moe.layer.capture(fused_moe, ...)` (or `MoELayer.capture`),
     which gives the graph a private pool.

@@ -1,8 +1,8 @@
 """`python -m cupy_moe tune`: time the GEMM configurations on this GPU and keep the fastest.
 
-For each model shape (`cupy_moe.models`), phase and token count M, every supported block_m and every split-K factor
-the kernel allows are timed on random weights: `cupy_moe.timing.graph_time` over calls on different routings (so
-Python's launch overhead and L2 residency stay out). Each candidate is the configuration `choose_config` makes of a
+For each model shape (`cupy_moe.models`), phase and token count M, every supported block_m is timed at the split-K
+factors of SPLITS that its shape allows and at the rules' own split, on random weights: `cupy_moe.timing.graph_time`
+over calls on different routings (so Python's launch overhead and L2 residency stay out). Each candidate is the configuration `choose_config` makes of a
 (block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the winners go into this GPU's tuned table in the
 user's cache (`configs.tuned`), which `choose_config` reads from then on; they are saved after each model phase,
 so a run stopped part of the way keeps what it measured. Only the speed changes: every

@@ -85,6 +85,13 @@ def test_fused_moe_gemm_and_align_reject_the_same_inputs(host_layer, xp_name):
         cupy_moe.moe_align_block_size(ids.astype(xp.float64), 16, E)
     with pytest.raises(TypeError, match=r"topk_ids: expected a NumPy or CuPy array \[M, A\], got list"):
         cupy_moe.moe_align_block_size(ids.tolist(), 16, E)
+    # the align kernels' limits hold on the NumPy path too
+    with pytest.raises(ValueError, match=r"block_size: expected an int in \[1, 1024\], got 2048"):
+        cupy_moe.moe_align_block_size(ids, 2048, E)
+    with pytest.raises(ValueError, match=r"num_experts: expected an int in \[1, 1024\], got 1025"):
+        cupy_moe.moe_align_block_size(ids, 16, 1025)
+    with pytest.raises(TypeError, match=r"block_size: expected an int, got bool"):
+        cupy_moe.moe_align_block_size(ids, True, E)
     aligned = cupy_moe.moe_align_block_size(ids, 16, E)
     with pytest.raises(TypeError, match=r"a: expected dtype float16 or bfloat16, got float32"):
         cupy_moe.fused_moe_gemm(x.astype(xp.float32), w13, *aligned, A)
