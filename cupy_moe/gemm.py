@@ -24,9 +24,11 @@ def _fail(name, expected, got, exc=ValueError):
     raise exc(f"{name}: expected {expected}, got {got}")
 
 
-def _check_dev_array(cp, name, x, dtype, ndim, letters):
-    if not isinstance(x, cp.ndarray):
-        _fail(name, "a CuPy array (all inputs on the device)", type(x).__name__, TypeError)
+def _check_dev_array(xp, name, x, dtype, ndim, letters):
+    """x: an array of xp (cupy: on the current device), of this dtype and ndim, C-contiguous."""
+    if not isinstance(x, xp.ndarray):
+        where = "NumPy array (all inputs on the host)" if xp is np else "CuPy array (all inputs on the device)"
+        _fail(name, f"a {where}", type(x).__name__, TypeError)
     if x.dtype != dtype:
         _fail(name, np.dtype(dtype).name, x.dtype, TypeError)
     if x.ndim != ndim:
@@ -127,15 +129,6 @@ def _check_config(config, block_m, act_order, pair_a, hopper, one_pair):
               + " (choose_config with the same flags gives one)", f"kind {config.kind!r} {config}")
 
 
-def _block_size(sorted_token_ids, expert_ids):
-    """B of a NumPy aligned list (16 for one pair per block), or None without blocks (the reference checks the
-    sizes)."""
-    blocks = int(np.size(expert_ids))
-    if not blocks:
-        return None
-    return 16 if sorted_token_ids is None else int(np.size(sorted_token_ids)) // blocks
-
-
 def _check_device_weight(weight, a, a_pair_order):
     """What the kernels need of the weight beyond its own validation: on this device, 4 or 8 bits, K matching a,
     K, N and the group size in whole 32-wide chunks."""
@@ -159,12 +152,12 @@ def _check_device_weight(weight, a, a_pair_order):
         _fail("weight.group_size", "-1 or a positive multiple of 32 (a 32-wide K chunk stays inside one group)", gs)
 
 
-def _pair_list(cp, sorted_token_ids, expert_ids, num_tokens_post_padded, p):
+def _pair_list(xp, sorted_token_ids, expert_ids, num_tokens_post_padded, p):
     """(sorted_ids, blocks, post, capacity C, block size B or None without blocks) of the pair list: an aligned
     list, or one pair per 16-row block (sorted_token_ids and num_tokens_post_padded None, expert_ids = topk_ids)."""
     one_pair = sorted_token_ids is None and num_tokens_post_padded is None
     if one_pair:  # expert_ids is topk_ids: one 16-row block per pair
-        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, getattr(expert_ids, "ndim", 1),
+        blocks = _check_dev_array(xp, "expert_ids", expert_ids, np.int32, getattr(expert_ids, "ndim", 1),
                                   "[P] or [M, top_k] (one pair per block)")
         if blocks.size != p:
             _fail("expert_ids", f"M*top_k = {p} expert ids (one pair per block)", f"shape {blocks.shape}")
@@ -174,9 +167,9 @@ def _pair_list(cp, sorted_token_ids, expert_ids, num_tokens_post_padded, p):
         if sorted_token_ids is None or num_tokens_post_padded is None:
             _fail("sorted_token_ids, num_tokens_post_padded", "both arrays, or both None (one pair per block)",
                   f"{type(sorted_token_ids).__name__}, {type(num_tokens_post_padded).__name__}", TypeError)
-        sorted_ids = _check_dev_array(cp, "sorted_token_ids", sorted_token_ids, np.int32, 1, "[C]")
-        blocks = _check_dev_array(cp, "expert_ids", expert_ids, np.int32, 1, "[C/B]")
-        post = _check_dev_array(cp, "num_tokens_post_padded", num_tokens_post_padded, np.int32, 1, "[1]")
+        sorted_ids = _check_dev_array(xp, "sorted_token_ids", sorted_token_ids, np.int32, 1, "[C]")
+        blocks = _check_dev_array(xp, "expert_ids", expert_ids, np.int32, 1, "[C/B]")
+        post = _check_dev_array(xp, "num_tokens_post_padded", num_tokens_post_padded, np.int32, 1, "[1]")
         if post.shape != (1,):
             _fail("num_tokens_post_padded", "shape (1,)", post.shape)
         capacity = sorted_ids.size
@@ -191,7 +184,38 @@ def _pair_list(cp, sorted_token_ids, expert_ids, num_tokens_post_padded, p):
         if block_m not in configs.SUPPORTED_BLOCK_M:
             _fail("block size B = sorted_token_ids.size // expert_ids.size",
                   f"one of {configs.SUPPORTED_BLOCK_M} (align with configs.choose_config(...).block_m)", block_m)
+    if capacity >= 2**31 or p >= 2**31:
+        _fail("sorted_token_ids", "fewer than 2**31 rows", capacity)
     return sorted_ids, blocks, post, capacity, block_m
+
+
+def _check_call(xp, a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, topk_weights, out,
+                config, workspace):
+    """The checks of a fused_moe_gemm call that hold on both paths (xp: numpy or cupy, where `a` is): the arrays'
+    kind, dtype, shape and layout, top_k, the pair list and its block size, the types of config and workspace.
+    Returns (top_k, P, sorted_ids, blocks, post, capacity, block_m); see _pair_list."""
+    _check_dev_array(xp, "a", a, a.dtype, 2, "[M, K]")
+    if not isinstance(weight, StackedGptqWeight):
+        _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
+        _fail("top_k", "a positive int", repr(top_k), TypeError if not isinstance(top_k, (int, np.integer)) else
+              ValueError)
+    top_k = int(top_k)
+    p = a.shape[0] * top_k
+    listed = _pair_list(xp, sorted_token_ids, expert_ids, num_tokens_post_padded, p)
+    if topk_weights is not None:
+        _check_dev_array(xp, "topk_weights", topk_weights, np.float32, topk_weights.ndim, "[M, top_k] or [P]")
+        if topk_weights.size != p:
+            _fail("topk_weights", f"M*top_k = {p} elements", f"shape {topk_weights.shape}")
+    if out is not None:
+        _check_dev_array(xp, "out", out, a.dtype, 2, "[P, N]")
+        if out.shape != (p, weight.n):
+            _fail("out", f"shape {(p, weight.n)} = [M*top_k, N]", out.shape)
+    if config is not None and not isinstance(config, configs.GemmConfig):
+        _fail("config", "a GemmConfig (configs.choose_config(...)) or None", type(config).__name__, TypeError)
+    if workspace is not None and not isinstance(workspace, SplitKWorkspace):
+        _fail("workspace", "a SplitKWorkspace or None", type(workspace).__name__, TypeError)
+    return (top_k, p, *listed)
 
 
 def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
@@ -229,49 +253,30 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     check_input("a", a, ACTIVATION_DTYPES, "[M, K]")
     if topk_weights is not None:
         check_input("topk_weights", topk_weights, ("float32",), "[M, top_k] or [P]", ndim=(1, 2))
-    if not is_device_array(a):
+    device = is_device_array(a)
+    xp = require_gpu("fused_moe_gemm on CuPy arrays") if device else np
+    top_k, p, sorted_ids, blocks, post, capacity, block_m = _check_call(
+        xp, a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k, topk_weights, out, config,
+        workspace)
+    act_order, pair_a = weight.g_idx is not None, bool(a_pair_order)
+    if not device:
         from . import reference
-        block_m = _block_size(sorted_token_ids, expert_ids)
         if config is not None and block_m is not None:
-            _check_config(config, block_m, weight.g_idx is not None, bool(a_pair_order), None,
-                          sorted_token_ids is None)
+            _check_config(config, block_m, act_order, pair_a, None, sorted_ids is None)
         return reference.fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padded, top_k,
                                         topk_weights=topk_weights, out=out, a_pair_order=a_pair_order)
-    cp = require_gpu("fused_moe_gemm on CuPy arrays")
+    cp = xp
     # ---- check (the weight validated its own arrays when it was made; what is checked here is this launch's)
     bf16 = a.dtype.name == "bfloat16"
-    _check_dev_array(cp, "a", a, a.dtype, 2, "[M, K]")
     _check_device_weight(weight, a, a_pair_order)
     bits, gs, e, k, n = weight.bits, weight.group_size, weight.num_experts, weight.k, weight.n
     m = a.shape[0]
     group_len, num_groups = weight.group_len, weight.num_groups
     qweight, scales, qzeros, g_idx = weight.qweight, weight.scales, weight.qzeros, weight.g_idx
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1:
-        _fail("top_k", "a positive int", repr(top_k), TypeError if not isinstance(top_k, (int, np.integer)) else
-              ValueError)
-    top_k = int(top_k)
-    p = m * top_k
-    sorted_ids, blocks, post, capacity, block_m = _pair_list(cp, sorted_token_ids, expert_ids,
-                                                             num_tokens_post_padded, p)
-    if capacity >= 2**31 or p >= 2**31:
-        _fail("sorted_token_ids", "fewer than 2**31 rows", capacity)
-    if topk_weights is not None:
-        _check_dev_array(cp, "topk_weights", topk_weights, np.float32, topk_weights.ndim, "[M, top_k] or [P]")
-        if topk_weights.size != p:
-            _fail("topk_weights", f"M*top_k = {p} elements", f"shape {topk_weights.shape}")
-    if out is not None:
-        _check_dev_array(cp, "out", out, a.dtype, 2, "[P, N]")
-        if out.shape != (p, n):
-            _fail("out", f"shape {(p, n)} = [M*top_k, N]", out.shape)
     for name, x in (("a", a), ("out", out), ("weight.qweight", qweight), ("weight.scales", scales),
                     ("weight.qzeros", qzeros), ("weight.g_idx", g_idx)):
         if x is not None and x.data.ptr % 16:
             _fail(name, "16-byte aligned data (the kernels move 16 bytes per access)", "a misaligned view")
-    act_order, pair_a = g_idx is not None, bool(a_pair_order)
-    if config is not None and not isinstance(config, configs.GemmConfig):
-        _fail("config", "a GemmConfig (configs.choose_config(...)) or None", type(config).__name__, TypeError)
-    if workspace is not None and not isinstance(workspace, SplitKWorkspace):
-        _fail("workspace", "a SplitKWorkspace or None", type(workspace).__name__, TypeError)
     if block_m is not None:
         gpu = configs.gpu_info()
         if config is None:

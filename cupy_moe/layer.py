@@ -187,8 +187,9 @@ def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_corre
     scoring_func: "softmax" or "sigmoid" scores. e_score_correction_bias: float32 [E] or None, added to the scores
     to choose experts (the weights stay the scores). topk_method: "greedy" (or None), or with n_group > 1 groups of
     E / n_group experts "group_limited_greedy" (a group scores its best expert) or "noaux_tc" (the sum of its two
-    best): only the topk_group best groups' experts can be chosen. Ties go to the lower index, for groups and
-    experts. renormalize: weights / (their sum + 1e-20); then times routed_scaling_factor.
+    best): only the topk_group best groups' experts can be chosen, so A <= topk_group * E / n_group. Ties go to the
+    lower index, for groups and experts. renormalize: weights / (their sum + 1e-20); then times
+    routed_scaling_factor (positive and finite).
     Returns topk_weights float32 [M, A] and topk_ids int32 [M, A]: one kernel launch on the GPU. The kernel's
     limits (E, A, n_group <= 32) hold on both paths.
     """
@@ -201,6 +202,12 @@ def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_corre
         raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
     if topk_method not in (None, "greedy", *_GROUP_MODES):
         raise ValueError(f"topk_method: expected 'greedy', 'group_limited_greedy' or 'noaux_tc', got {topk_method!r}")
+    if n_group is not None and (isinstance(n_group, bool) or not isinstance(n_group, (int, np.integer))
+                                or n_group < 1):
+        raise ValueError(f"n_group: expected None or a positive int, got {n_group!r}")
+    rsf = routed_scaling_factor
+    if isinstance(rsf, bool) or not isinstance(rsf, (int, float, np.integer, np.floating)) or not 0 < rsf < np.inf:
+        raise ValueError(f"routed_scaling_factor: expected a positive finite number, got {rsf!r}")
     groups = n_group or 1
     group_mode = _GROUP_MODES.get(topk_method, 0) if groups > 1 else 0
     if group_mode:
@@ -212,6 +219,9 @@ def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_corre
         if isinstance(topk_group, bool) or not isinstance(topk_group, (int, np.integer)) or not (
                 1 <= topk_group <= groups):
             raise ValueError(f"topk_group: expected an int in [1, n_group = {groups}], got {topk_group!r}")
+        if top_k > topk_group * (e // groups):
+            raise ValueError(f"top_k: expected at most topk_group * E / n_group = {topk_group * (e // groups)} (the "
+                             f"experts of the kept groups), got {top_k}")
     bias = e_score_correction_bias
     if bias is not None:
         check_input("e_score_correction_bias", bias, ("float32",), "[E]", ndim=(1,))
@@ -240,7 +250,7 @@ def _check_weights(w13, w2):
         raise TypeError(f"w2: expected {'CuPy' if w13.is_device else 'NumPy'} arrays, as w13")
 
 
-def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
+def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids, out):
     _check_weights(w13, w2)
     check_input("hidden_states", hidden_states, ACTIVATION_DTYPES, "[M, H]")
     check_input("topk_ids", topk_ids, ("int32", "int64"), "[M, A]")
@@ -254,7 +264,15 @@ def _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids):
     if w13.k != h:
         raise ValueError(f"w13: expected K = H = {h} (hidden_states' columns), got K={w13.k}")
     _check_matrix("topk_ids", topk_ids, "[M, A]", rows=m)
+    if topk_ids.shape[1] < 1:
+        raise ValueError(f"topk_ids: expected A >= 1 columns (experts per token), got shape {tuple(topk_ids.shape)}")
     _check_matrix("topk_weights", topk_weights, "[M, A]", rows=m, cols=topk_ids.shape[1])
+    if out is not None and not ((is_device_array(out) if device else isinstance(out, np.ndarray))
+                                and out.shape == (m, h) and out.dtype == hidden_states.dtype
+                                and out.flags.c_contiguous):
+        raise ValueError(f"out: expected a C-contiguous {'CuPy' if device else 'NumPy'} array [M, H] = [{m}, {h}] of "
+                         f"{hidden_states.dtype}, got {type(out).__name__} {getattr(out, 'shape', None)} "
+                         f"{getattr(out, 'dtype', None)}")
 
 
 def _problem(m, a, w13, w2):
@@ -341,7 +359,7 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     plan: `plan_moe(M, w13, w2, A)`, made once for calls of this shape: the call then chooses no configuration
     and uses the plan's split-K workspace. None: chosen here, with a split-K workspace cached per stream.
     """
-    _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids)
+    _check_layer_args(hidden_states, w13, w2, topk_weights, topk_ids, out)
     if plan is not None:
         _check_plan(plan, hidden_states.shape[0], topk_ids.shape[1], w13, w2)
     if not is_device_array(hidden_states):
@@ -358,9 +376,6 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
     dtype = hidden_states.dtype
     if out is None:
         out = cp.empty((m, h), dtype)
-    elif not (is_device_array(out) and out.shape == (m, h) and out.dtype == dtype and out.flags.c_contiguous):
-        raise ValueError(f"out: expected a C-contiguous CuPy array [M, H] = [{m}, {h}] of {dtype}, "
-                         f"got {type(out).__name__} {getattr(out, 'shape', None)} {getattr(out, 'dtype', None)}")
     if m == 0:
         return out
     # One configuration per phase, chosen once and passed down: what the plan says is what launches.
@@ -497,6 +512,10 @@ class MoELayer:
     """
 
     def __init__(self, weights):
+        from .checkpoint import MoELayerWeights
+        if not isinstance(weights, MoELayerWeights):
+            raise TypeError(f"weights: expected a cupy_moe.checkpoint.MoELayerWeights (load_layer_weights, or "
+                            f"MoELayer.from_checkpoint), got {type(weights).__name__}")
         self.weights = weights
 
     @classmethod

@@ -95,6 +95,20 @@ def test_fused_moe_gemm_and_align_reject_the_same_inputs(host_layer, xp_name):
     aligned = cupy_moe.moe_align_block_size(ids, 16, E)
     with pytest.raises(TypeError, match=r"a: expected dtype float16 or bfloat16, got float32"):
         cupy_moe.fused_moe_gemm(x.astype(xp.float32), w13, *aligned, A)
+    # what the kernels need of a call, on the NumPy path too
+    with pytest.raises(ValueError, match=r"block size B = sorted_token_ids.size // expert_ids.size: expected one of "
+                                         r"\(16, 32, 64, 128\)"):
+        cupy_moe.fused_moe_gemm(x, w13, *cupy_moe.moe_align_block_size(ids, 8, E), A)
+    with pytest.raises(TypeError, match=r"sorted_token_ids: expected int32, got int64"):
+        cupy_moe.fused_moe_gemm(x, w13, aligned[0].astype(xp.int64), *aligned[1:], A)
+    with pytest.raises(ValueError, match=r"a: expected a C-contiguous array, got a strided view"):
+        cupy_moe.fused_moe_gemm(xp.concatenate([x, x], axis=1)[:, ::2], w13, *aligned, A)
+    with pytest.raises(TypeError, match=r"out: expected float16, got float32"):
+        cupy_moe.fused_moe_gemm(x, w13, *aligned, A, out=xp.zeros((M * A, 2 * I), xp.float32))
+    with pytest.raises(TypeError, match=r"workspace: expected a SplitKWorkspace or None, got str"):
+        cupy_moe.fused_moe_gemm(x, w13, *aligned, A, workspace="x")
+    with pytest.raises(TypeError, match=r"weight: expected a StackedGptqWeight, got ndarray"):
+        cupy_moe.fused_moe_gemm(x, xp.zeros((E, H, 2 * I), xp.float16), *aligned, A)
     with pytest.raises(TypeError, match=r"topk_weights: expected dtype float32, got float16"):
         cupy_moe.fused_moe_gemm(x, w13, *aligned, A, topk_weights=tw.astype(xp.float16))
     with pytest.raises(TypeError, match=r"router_logits: expected dtype float16 or bfloat16 or float32, got int64"):

@@ -1,4 +1,6 @@
 """The whole MoE layer on the NumPy path: routing, experts, shared experts, biases, against plain loops."""
+import re
+
 import numpy as np
 import pytest
 
@@ -159,6 +161,16 @@ def test_route_experts_rejects_bad_arguments():
         route_experts(logits, 2, topk_method="noaux_tc", n_group=4, topk_group=5)
     with pytest.raises(ValueError, match=r"e_score_correction_bias: expected float32 \[E\] = \[8\]"):
         route_experts(logits, 2, e_score_correction_bias=np.zeros(4, np.float32))
+    for n_group in (0, -2, True, 2.0, "2"):  # never read as "no groups" or as another number
+        with pytest.raises(ValueError, match=f"n_group: expected None or a positive int, got {n_group!r}"):
+            route_experts(logits, 2, topk_method="noaux_tc", n_group=n_group, topk_group=1)
+    for scale in (None, float("nan"), float("inf"), -1.0, 0, "x", True):
+        with pytest.raises(ValueError, match=f"routed_scaling_factor: expected a positive finite number, got "
+                                             f"{re.escape(repr(scale))}"):
+            route_experts(logits, 2, routed_scaling_factor=scale)
+    with pytest.raises(ValueError, match=r"top_k: expected at most topk_group \* E / n_group = 2 \(the experts of "
+                                         r"the kept groups\), got 3"):
+        route_experts(logits, 3, topk_method="group_limited_greedy", n_group=4, topk_group=1)
 
 
 def test_select_experts_numpy_is_the_reference():
@@ -257,6 +269,21 @@ def test_fused_moe_rejects_bad_arguments(tmp_path):
         fused_moe(x, w.w13, w.w2, weights, ids[:3])
     with pytest.raises(ValueError, match=r"topk_weights: expected 2 columns, got shape \(4, 1\)"):
         fused_moe(x, w.w13, w.w2, weights[:, :1], ids)
+    with pytest.raises(ValueError, match=r"topk_ids: expected A >= 1 columns \(experts per token\), got shape "
+                                         r"\(4, 0\)"):
+        fused_moe(x, w.w13, w.w2, weights[:, :0], ids[:, :0])
+    # `out` is checked with the rest, before any work, as on the GPU
+    for out in (np.zeros((4, 128), np.float32), np.zeros((4, 127), np.float16), np.zeros((128, 4), np.float16).T,
+                [0.0] * 4):
+        with pytest.raises(ValueError, match=r"out: expected a C-contiguous NumPy array \[M, H\] = \[4, 128\] of "
+                                             r"float16, got"):
+            fused_moe(x, w.w13, w.w2, weights, ids, out=out)
+
+
+def test_moe_layer_takes_loaded_weights_only(tmp_path):
+    with pytest.raises(TypeError, match=r"weights: expected a cupy_moe.checkpoint.MoELayerWeights "
+                                        r"\(load_layer_weights, or MoELayer.from_checkpoint\), got str"):
+        MoELayer(str(tmp_path))
 
 
 def test_layer_rejects_wrong_width_and_place(tmp_path):
