@@ -55,6 +55,18 @@ def stacked_shapes(num_experts: int, k: int, n: int, bits: int, group_size: int)
     qweight (E, K*bits/32, N), scales (E, R, N), qzeros (E, R, N*bits/32), g_idx (E, K), R = ceil(K/G).
     One expert of a GPTQ checkpoint stores the same shapes without the leading E (expert_shapes).
     """
+    for name, value, low in (("num_experts", num_experts, 1), ("k", k, 1), ("n", n, 1), ("bits", bits, 1),
+                             ("group_size", group_size, -1)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
+        if value < low:
+            raise ValueError(f"{name}: expected an int >= {low}, got {value}")
+    if bits not in _BITS:
+        raise ValueError(f"bits: expected one of {_BITS}, got {bits}")
+    if group_size == 0:
+        raise ValueError("group_size: expected -1 or a positive int, got 0")
+    if k * bits % 32:
+        raise ValueError(f"k: expected K * bits a multiple of 32 (whole qweight words), got K={k}, bits={bits}")
     r = num_groups(k, group_size)
     return {"qweight": (num_experts, k * bits // 32, n), "scales": (num_experts, r, n),
             "qzeros": (num_experts, r, n * bits // 32), "g_idx": (num_experts, k)}
@@ -234,10 +246,15 @@ class StackedGptqWeight:
         if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or int(bits) not in _BITS:
             raise ValueError(f"bits: expected one of {_BITS}, got {bits!r}")
         bits = int(bits)
+        lists = {"qweights": qweights, "scales": scales, "qzeros": qzeros, "g_idx": g_idx}
+        for name, seq in lists.items():  # any iterable of per-expert arrays (a list, a generator, a stacked array)
+            if seq is not None and (isinstance(seq, (str, bytes)) or not hasattr(seq, "__iter__")):
+                raise TypeError(f"{name}: expected a sequence of arrays, one per expert, got {type(seq).__name__}")
+            lists[name] = None if seq is None else list(seq)
+        qweights, scales, qzeros, g_idx = lists.values()
         num = len(qweights)
         if num == 0:
             raise ValueError("qweights: expected at least one expert, got an empty sequence")
-        lists = {"qweights": qweights, "scales": scales, "qzeros": qzeros, "g_idx": g_idx}
         for name, seq in lists.items():
             if seq is not None and len(seq) != num:
                 raise ValueError(f"{name}: expected {num} experts like qweights, got {len(seq)}")

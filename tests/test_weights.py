@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 from cupy_moe import _xp, reference as ref
-from cupy_moe.weights import StackedGptqWeight, concat_n
+from cupy_moe.weights import StackedGptqWeight, concat_n, stacked_shapes
 
 BITS = (2, 3, 4, 8)
 
@@ -228,6 +228,29 @@ def test_from_experts_validation_messages():
         StackedGptqWeight.from_experts([[1], [2]], sc, qz, **kw)
     with pytest.raises(ValueError, match=r"scales: expected shape \(2, 1, 8\)"):  # group_size disagrees
         StackedGptqWeight.from_experts(qw, sc, None, bits=4, group_size=-1)
+    with pytest.raises(TypeError, match=r"qzeros: expected a sequence of arrays, one per expert, got int"):
+        StackedGptqWeight.from_experts(qw, sc, 3, **kw)
+    lists = StackedGptqWeight.from_experts(qw, sc, qz, **kw)  # any iterable of per-expert arrays will do
+    made = StackedGptqWeight.from_experts(iter(qw), (x for x in sc), np.stack(qz), **kw)
+    for name in ("qweight", "scales", "qzeros"):
+        np.testing.assert_array_equal(getattr(made, name), getattr(lists, name))
+
+
+@pytest.mark.parametrize("args,error,message", [
+    ((1, 64, 128, 4, 0), ValueError, r"group_size: expected -1 or a positive int, got 0"),
+    ((1, 64, 128, 5, 128), ValueError, r"bits: expected one of \(2, 3, 4, 8\), got 5"),
+    ((-1, 64, 128, 4, 128), ValueError, r"num_experts: expected an int >= 1, got -1"),
+    ((1, -8, 128, 4, 128), ValueError, r"k: expected an int >= 1, got -8"),
+    ((1, 64, 128, 4, -2), ValueError, r"group_size: expected an int >= -1, got -2"),
+    ((1, 4, 128, 4, 128), ValueError, r"k: expected K \* bits a multiple of 32 \(whole qweight words\), got K=4"),
+    ((1, 64.0, 128, 4, 128), TypeError, r"k: expected an int, got float"),
+    ((True, 64, 128, 4, 128), TypeError, r"num_experts: expected an int, got bool"),
+])
+def test_stacked_shapes_refuses_impossible_geometry(args, error, message):
+    with pytest.raises(error, match=message):
+        stacked_shapes(*args)
+    assert stacked_shapes(2, 64, 128, 4, -1) == {"qweight": (2, 8, 128), "scales": (2, 1, 128),
+                                                 "qzeros": (2, 1, 16), "g_idx": (2, 64)}
 
 
 # --------------------------------------------------------------------------- v1 -> real zeros
