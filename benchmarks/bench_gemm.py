@@ -42,6 +42,7 @@ import numpy as np
 import cupy as cp
 
 from cupy_moe import configs
+from cupy_moe.__main__ import Parser, argument_error, model_list, positive_int, token_counts
 from cupy_moe._progress import progress_bar
 from cupy_moe.align import moe_align_block_size
 from cupy_moe.gemm import fused_moe_gemm
@@ -178,18 +179,27 @@ def write_json(path, gpu, copy_bw, mm_rate, targets, rows):
                                           targets=targets, rows=rows), indent=1))
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def tile_list(text):
+    """';'-separated GemmConfig specs -> their GemmConfigs."""
+    with argument_error("spec"):
+        return [configs.GemmConfig.from_spec(spec) for spec in filter(None, text.split(";"))]
+
+
+def main(argv=None, prog=None):
+    """prog: how usage lines and errors name the benchmark (default: its file name); a bad argument is one line on
+    stderr, exit status 2, as in `python -m cupy_moe`."""
+    ap = Parser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--targets", choices=sorted(TARGETS), default=None,
                     help="judge each row against this target set; exit status 1 on a miss")
     ap.add_argument("--checksums", action="store_true", help="print and record the SHA-1 of each row's output bytes")
-    ap.add_argument("--models", default=",".join(BENCHMARK_MODELS), help="comma-separated names (any case)")
-    ap.add_argument("--m", default=None, help="token counts, comma-separated (default: "
+    ap.add_argument("--models", type=model_list, default=list(BENCHMARK_MODELS),
+                    help="comma-separated names (any case)")
+    ap.add_argument("--m", type=token_counts, default=None, help="token counts, comma-separated (default: "
                     f"{','.join(map(str, DEFAULT_M))}; with --targets, the M values the target set is judged at)")
     ap.add_argument("--phases", default="gate_up,down")
-    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--iters", type=positive_int, default=30)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--tiles", default=None,
+    ap.add_argument("--tiles", type=tile_list, default=[],
                     help="run other shapes of the same block sizes, ';'-separated GemmConfig specs, e.g. "
                          "'reg:1,1,4,1,4,4,1;tc:2,2,4,2,1,4,1' (kind:mt,warps_m,warps_n,ng,ku,stages,warps_k)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
@@ -200,23 +210,15 @@ def main(argv=None):
                          "the FLOP floor stays the fp16 matmul rate, which bf16 shares on Hopper)")
     args = ap.parse_args(argv)
     if args.dtype == "bfloat16" and not args.no_baseline:
-        ap.error("--dtype bfloat16: expected --no-baseline as well (the dequantize + matmul baseline is fp16)")
-    ms = args.m.split(",") if args.m else TARGETS[args.targets][1] if args.targets else DEFAULT_M
-    if not all(str(m).isdigit() and int(m) > 0 for m in ms):
-        ap.error(f"--m: expected positive token counts, comma-separated, got {args.m!r}")
-    ms = [int(m) for m in ms]
+        ap.error("argument --dtype: expected float16 without --no-baseline (the dequantize + matmul baseline is "
+                 "fp16), got bfloat16")
+    ms = args.m or (TARGETS[args.targets][1] if args.targets else DEFAULT_M)
     phases = args.phases.split(",")
     if not phases or any(ph not in ("gate_up", "down") for ph in phases):
-        ap.error(f"--phases: expected gate_up and/or down, comma-separated, got {args.phases!r}")
-    if args.iters < 1:
-        ap.error(f"--iters: expected a positive int, got {args.iters}")
+        ap.error(f"argument --phases: expected gate_up and/or down, comma-separated, got {args.phases!r}")
     if args.json and not Path(args.json).resolve().parent.is_dir():
-        ap.error(f"--json: expected a file in an existing folder, got {args.json!r}")
-    try:
-        models = [get_model(name).name for name in args.models.split(",")]
-        tiles = [configs.GemmConfig.from_spec(spec) for spec in filter(None, (args.tiles or "").split(";"))]
-    except ValueError as exc:
-        ap.error(str(exc))
+        ap.error(f"argument --json: expected a file in an existing folder, got {args.json!r}")
+    models, tiles = args.models, args.tiles
     dtype = np.float16
     if args.dtype == "bfloat16":
         import ml_dtypes

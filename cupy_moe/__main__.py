@@ -109,12 +109,20 @@ def token_count(text: str) -> int:
     return whole_number(text, 1, MAX_TOKENS)
 
 
+@contextmanager
+def argument_error(label: str):
+    """Inside an argparse type: a ValueError of the library ("model: expected ..., got ...") becomes the argument's
+    error, without its `label: `, as argparse names the option instead."""
+    try:
+        yield
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{label}: ")) from None
+
+
 def model_name(text: str) -> str:
     """A name of models.MODELS in any case -> its spelling in the table."""
-    try:
+    with argument_error("model"):
         return get_model(text).name
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("model: ")) from None
 
 
 def model_list(text: str) -> list[str]:
@@ -128,6 +136,13 @@ def model_list(text: str) -> list[str]:
 def token_counts(text: str) -> tuple[int, ...]:
     """Comma-separated token counts (each in [1, MAX_TOKENS]) -> each once, in the order given."""
     return tuple(dict.fromkeys(token_count(part.strip()) for part in text.split(",")))
+
+
+def non_empty_path(text: str) -> Path:
+    """A path; not empty, which Path would take as the current folder."""
+    if not text:
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return Path(text)
 
 
 # --------------------------------------------------------------------------------------------- demo
@@ -284,7 +299,7 @@ def demo_gpu(args, folder, shape, cp) -> int:
 
 
 def demo(args) -> int:
-    folder = check_new_folder(Path(args.dir), "--dir") if args.dir else None
+    folder = check_new_folder(args.dir, "--dir") if args.dir is not None else None
     problem = gpu_problem()
     on_gpu = problem is None and not args.cpu
     shape = get_model(args.model or ("Mixtral-8x7B" if on_gpu else "tiny"))
@@ -307,7 +322,7 @@ def demo(args) -> int:
 
 def inspect(args) -> int:
     from .checkpoint import inspect_checkpoint
-    path = Path(args.path)
+    path = args.path
     if not path.exists():
         raise CliError(f"{path}: no such folder")
     if not path.is_dir():
@@ -344,12 +359,13 @@ def benchmark_script() -> Path:
     return script
 
 
-def run_script(script: Path, argv: list[str]) -> int:
-    """Run `script` as __main__ with sys.argv = [script, *argv]; its exit status."""
+def run_script(script: Path, argv: list[str], prog: str) -> int:
+    """Run `script`'s main(argv, prog) (prog: how its usage and errors name it) with sys.argv = [script, *argv];
+    its exit status."""
     saved = sys.argv
     sys.argv = [str(script), *argv]
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        return runpy.run_path(str(script), run_name=script.stem)["main"](argv, prog) or 0
     except SystemExit as exc:  # sys.exit(n), or sys.exit("message"): Python prints the message, status 1
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -357,7 +373,6 @@ def run_script(script: Path, argv: list[str]) -> int:
         return 1
     finally:
         sys.argv = saved
-    return 0
 
 
 def bench(args) -> int:
@@ -365,11 +380,11 @@ def bench(args) -> int:
     script = benchmark_script()
     if _xp.cupy is None:
         raise CliError(gpu_problem())
-    # The benchmark parses its arguments first (an error prints its usage, status 2; --help lists its options
-    # with no GPU needed), then measures on the GPU: a failure on a machine without one is that.
+    # The benchmark parses its arguments first (an error is one line, status 2; --help lists its options with no
+    # GPU needed), then measures on the GPU: a failure on a machine without one is that.
     problem = gpu_problem()
     try:
-        return run_script(script, args.rest)
+        return run_script(script, args.rest, args.prog)
     except Exception as exc:
         if problem:
             raise CliError(problem) from exc
@@ -432,8 +447,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.add_argument("--check-tokens", type=token_count, default=2,
                    help="tokens checked against the float64 reference (default 2)")
     p.add_argument("--reps", type=positive_int, default=50, help="timed graph replays on the GPU (default 50)")
-    p.add_argument("--dir", help="keep the checkpoint in this folder, which must be new or empty, instead of a "
-                                 "temporary one")
+    p.add_argument("--dir", type=non_empty_path,
+                   help="keep the checkpoint in this folder, which must be new or empty, instead of a temporary one")
     p.add_argument("--cpu", action="store_true",
                    help="run the NumPy path even when a GPU is present (full-size models: minutes, several GB)")
     p.add_argument("--seed", type=non_negative_int, default=0,
@@ -441,7 +456,8 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p.set_defaults(func=demo)
     p = sub.add_parser("inspect", help="describe a checkpoint folder from its configs and headers (no tensor data); "
                                        "exit status 1 when it found problems")
-    p.add_argument("path", help="the checkpoint folder (config.json, quantization config, *.safetensors)")
+    p.add_argument("path", type=non_empty_path, metavar="PATH",
+                   help="the checkpoint folder (config.json, quantization config, *.safetensors)")
     p.add_argument("--json", action="store_true", help="print the full description as JSON")
     p.set_defaults(func=inspect)
     # bench takes no options of its own: everything after it goes to the benchmark (see main)
@@ -465,16 +481,21 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str], prog: str = PROG) -> argparse.Namespace:
-    """Parse argv; for `bench`, every token after the command is kept verbatim in `rest` for the benchmark."""
+    """Parse argv; for `bench`, every token after the command is kept verbatim in `rest` for the benchmark, which
+    names itself `prog`."""
     parser = build_parser(prog)
     command_at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
     if command_at is not None and argv[command_at] == "bench":
         args = parser.parse_args(argv[:command_at + 1])
         rest = argv[command_at + 1:]
         args.rest = rest[1:] if rest[:1] == ["--"] else rest
-        args.func = bench
+        args.func, args.prog = bench, f"{prog} bench"
         return args
-    return parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # as parse_args, saying where --debug goes when it came after the command
+        where = f"; --debug goes before the command: {prog} --debug {args.command} ..." if "--debug" in extra else ""
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{where}")
+    return args
 
 
 def error_line(exc: BaseException) -> str:

@@ -86,6 +86,11 @@ def test_demo_matches_model_names_in_any_case(monkeypatch, capsys, tmp_path):
     (["demo", "--seed", "-1"], "argument --seed: expected a whole number >= 0, got -1"),
     (["demo", "--tokens", str(10**15)], "argument --tokens: expected a whole number <= 1,048,576, got 1,000,000,000"),
     (["tune", "--m", "1," + "9" * 20], "argument --m: expected a whole number <= 1,048,576, got 99,999"),
+    (["inspect", ""], "python -m cupy_moe inspect: error: argument PATH: expected a path, got ''"),
+    (["demo", "--dir", ""], "python -m cupy_moe demo: error: argument --dir: expected a path, got ''"),
+    (["demo", "--debug"], "unrecognized arguments: --debug; --debug goes before the command: python -m cupy_moe "
+                          "--debug demo"),
+    (["tune", "--dry-run", "--debug", "x"], "unrecognized arguments: --debug x; --debug goes before the command"),
 ])
 def test_bad_arguments_exit_2_before_any_gpu_check(monkeypatch, capsys, argv, needle):
     monkeypatch.setattr(cli, "gpu_problem", lambda: pytest.fail("looked for a GPU before checking arguments"))
@@ -406,12 +411,13 @@ def test_debug_shows_the_traceback(tmp_path):
                                   ["--debug", "bench", "--models", "tiny", "--iters", "3"]])
 def test_bench_passes_every_argument_to_the_benchmark(monkeypatch, argv):
     seen = {}
-    monkeypatch.setattr(cli, "run_script", lambda script, args: seen.update(script=script, args=args) or 7)
+    monkeypatch.setattr(cli, "run_script",
+                        lambda script, args, prog: seen.update(script=script, args=args, prog=prog) or 7)
     monkeypatch.setattr("cupy_moe._xp.cupy", object())  # as if CuPy were installed, with a GPU
     monkeypatch.setattr(cli, "gpu_problem", lambda: None)
     assert main(argv) == 7
     assert seen["args"] == ["--models", "tiny", "--iters", "3"]
-    assert seen["script"] == REPO / "benchmarks" / "bench_gemm.py"
+    assert seen["script"] == REPO / "benchmarks" / "bench_gemm.py" and seen["prog"] == "python -m cupy_moe bench"
 
 
 def test_bench_help_is_the_benchmarks_own():
@@ -420,14 +426,34 @@ def test_bench_help_is_the_benchmarks_own():
     assert "--iters" in out and "bench_gemm.py" in out
 
 
-def test_bench_checks_its_token_counts_before_any_gpu_work():
+BENCH_ERRORS = [
+    (["--models", "nope"], "argument --models: expected one of tiny, Mixtral-8x7B"),
+    (["--m", "-1"], "argument --m: expected a whole number >= 1, got -1"),
+    (["--m", "1,x"], "argument --m: expected a whole number >= 1, got 'x'"),
+    (["--iters", "0"], "argument --iters: expected a whole number >= 1, got 0"),
+    (["--tiles", "garbage"], "argument --tiles: expected 'kind:mt,warps_m,warps_n,ng,ku,stages,warps_k[/split_k]', "
+                             "got 'garbage'"),
+    (["--dtype", "float32"], "argument --dtype: invalid choice: 'float32'"),
+    (["--phases", "up"], "argument --phases: expected gate_up and/or down, comma-separated, got 'up'"),
+    (["--json", "/no/such/folder/x.json"], "argument --json: expected a file in an existing folder"),
+    (["--dtype", "bfloat16"], "argument --dtype: expected float16 without --no-baseline"),
+]
+
+
+@pytest.mark.parametrize("args, needle", BENCH_ERRORS)
+def test_bench_checks_its_arguments_in_one_line_before_any_gpu_work(monkeypatch, capsys, args, needle):
     pytest.importorskip("cupy")
-    err = run("-m", "cupy_moe", "bench", "--m", "1,x", status=2).stderr
-    assert "bench_gemm.py: error: --m: expected positive token counts, comma-separated, got '1,x'" in err
-    for args, message in ((["--phases", "up"], "--phases: expected gate_up and/or down, comma-separated, got 'up'"),
-                          (["--iters", "0"], "--iters: expected a positive int, got 0"),
-                          (["--json", "/no/such/folder/x.json"], "--json: expected a file in an existing folder")):
-        assert message in run("-m", "cupy_moe", "bench", *args, status=2).stderr
+    monkeypatch.setattr("cupy_moe.configs.gpu_info", lambda: pytest.fail("looked at the GPU before the arguments"))
+    err = one_line_error(capsys, ["bench", *args], "python -m cupy_moe bench: error: ", needle)
+    assert "usage" not in err and "bench_gemm" not in err
+
+
+@pytest.mark.parametrize("args, needle", BENCH_ERRORS[:1] + BENCH_ERRORS[4:5])
+def test_the_benchmark_run_directly_names_itself_in_one_line(args, needle):
+    pytest.importorskip("cupy")
+    err = run(str(REPO / "benchmarks" / "bench_gemm.py"), *args, status=2).stderr
+    assert err.startswith("bench_gemm.py: error: ") and err.count("\n") == 1, err
+    assert needle in err, err
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the message on a machine without a GPU")
