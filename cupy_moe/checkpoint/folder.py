@@ -2,6 +2,7 @@
 and modules, all from configs and safetensors headers (no tensor data)."""
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ class Checkpoint:
     """An open checkpoint folder: configs, naming scheme, tensor index and lazily opened files."""
 
     def __init__(self, path, scheme: NamingScheme | None = None, lenient: bool = False):
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"path: expected a checkpoint folder (str or os.PathLike), got {path!r}")
         folder = Path(path)
         if not folder.is_dir():
             raise FileNotFoundError(f"{folder}: checkpoint folder not found{_hint(path, folder)}")
@@ -58,19 +61,21 @@ class Checkpoint:
         return (self.config or {}).get(key, default)
 
     def cfg_size(self, key: str) -> tuple:
-        """(value, key found) of a size key, its CONFIG_SYNONYMS spellings included; (None, None) if absent."""
-        return config_value(self.config, key)
+        """(value, key found) of a size key, its CONFIG_SYNONYMS spellings included; (None, None) if absent or null.
+        A value that is not an int (NaN, a string, a bool) raises TypeError; the range is for the caller to check."""
+        value, found = config_value(self.config, key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"config.json {found}: expected a positive int, got {value!r}")
+        return value, found
 
     def shared_config(self) -> tuple[int, str] | None:
         """(value, key) of the config.json key sizing the shared expert: Qwen2-MoE shared_expert_intermediate_size
         (I_s) or DeepSeek n_shared_experts (experts merged into one, I_s = n * I); None when config.json has
         neither. A value that is not a positive int raises (a layer without shared experts leaves the key out)."""
         for key in ("shared_expert_intermediate_size", "n_shared_experts"):
-            value = self.cfg(key)
+            value = self.cfg_size(key)[0]
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"config.json {key}: expected a positive int, got {value!r}")
             if value < 1:
                 raise ValueError(f"config.json {key}={value}: expected a positive int (a model without shared "
                                  f"experts leaves the key out or null)")
@@ -96,22 +101,23 @@ class Checkpoint:
                     self._layers.setdefault(int(m.group(1)), name)
         return self._layers
 
-    def check_layer(self, layer) -> None:
+    def check_layer(self, layer, arg: str = "layer") -> None:
+        """TypeError/ValueError, naming the argument `arg`, unless `layer` is the index of an MoE layer."""
         if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
-            raise TypeError(f"layer: expected an int, got {type(layer).__name__}")
+            raise TypeError(f"{arg}: expected an int, got {type(layer).__name__}")
         n = self.num_layers()
         if n is not None:
             if not 0 <= layer < n:
-                raise ValueError(f"layer: layer {layer} does not exist: config.json has num_hidden_layers={n} "
+                raise ValueError(f"{arg}: layer {layer} does not exist: config.json has num_hidden_layers={n} "
                                  f"(layers 0..{n - 1})")
         else:
             prefix = self.scheme.block.format(layer=layer) + "."
             if layer < 0 or not any(name.startswith(prefix) for name in self.index.names()):
-                raise ValueError(f"layer: layer {layer} does not exist: no tensor starts with '{prefix}' "
+                raise ValueError(f"{arg}: layer {layer} does not exist: no tensor starts with '{prefix}' "
                                  f"(in {self.index.source})")
         reason = self.dense_reason(int(layer))
         if reason:
-            raise ValueError(f"layer: layer {layer} is dense ({reason}); it has no experts to load")
+            raise ValueError(f"{arg}: layer {layer} is dense ({reason}); it has no experts to load")
 
     def dense_reason(self, layer: int) -> str | None:
         """Why config.json makes `layer` a dense MLP layer, or None when it is an MoE layer."""
@@ -152,7 +158,7 @@ class Checkpoint:
         """E from config.json (checked against the tensors), else from the tensors."""
         found = self.experts_found(layer)
         e, key = self.cfg_size(self.scheme.num_experts_key)
-        if isinstance(e, int) and not isinstance(e, bool):
+        if e is not None:
             if not 1 <= e <= MAX_EXPERTS:
                 raise ValueError(f"config.json {key}={e}: expected 1 to {MAX_EXPERTS} experts")
             extra = sorted(i for i in found if i >= e)

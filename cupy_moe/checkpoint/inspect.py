@@ -77,7 +77,7 @@ def _moe_layer(ckpt: Checkpoint, layer: int, broken: set, problems: _Problems) -
     found = ckpt.experts_found(layer)
     try:
         experts = range(ckpt.num_experts(layer))
-    except ValueError as exc:
+    except (TypeError, ValueError) as exc:
         problems.add(str(exc))
         experts = sorted(found)  # only what is there: the count is unusable
     suffixes = [storage.tensor("", role)[1:] for role in ("qweight", "qzeros", "scales", "g_idx")]
@@ -168,7 +168,17 @@ def inspect_checkpoint(path, *, scheme: NamingScheme | None = None) -> dict:
                                "experts": None, "expert_bytes": 0, "shared_experts": 0, "shared_storage": None})
             else:
                 layers.append(_moe_layer(ckpt, layer, broken, problems))
-        e_count, e_key = ckpt.cfg_size(s.num_experts_key)
+        for key in ("hidden_size", s.intermediate_size_key):
+            try:
+                if ckpt.cfg_size(key)[0] is None:
+                    problems.add(f"config.json has no {key} (or it is null)")
+            except TypeError as exc:
+                problems.add(str(exc))
+        try:
+            e_count, e_key = ckpt.cfg_size(s.num_experts_key)
+        except TypeError as exc:  # count the experts found instead
+            problems.add(str(exc))
+            e_count, e_key = None, None
         if e_count is None and moe:
             e_count = max((row["experts_found"] for row in layers), default=None)
         settings = routing.resolve(ckpt.config, s, None, validate=False)

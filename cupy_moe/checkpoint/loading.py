@@ -345,8 +345,8 @@ def _projection_plan(ckpt: Checkpoint, layer: int, proj: str) -> _Plan:
         raise ValueError(f"proj: expected 'w13' (gate and up) or 'w2' (down), got {proj!r}")
     e_count = ckpt.num_experts(layer)
     modules = [[ckpt.module(s.expert_module(layer, e, p), layer) for p in names] for e in range(e_count)]
-    h, i = ckpt.cfg("hidden_size"), ckpt.cfg(s.intermediate_size_key)
-    if isinstance(h, int) and isinstance(i, int):
+    h, i = ckpt.cfg_size("hidden_size")[0], ckpt.cfg_size(s.intermediate_size_key)[0]
+    if h is not None and i is not None:
         if proj == "w13":
             k, ns, src = h, [i, i], f"from config.json hidden_size={h}, {s.intermediate_size_key}={i}"
         else:
@@ -354,6 +354,11 @@ def _projection_plan(ckpt: Checkpoint, layer: int, proj: str) -> _Plan:
     else:
         k = ns = src = None
     return _plan(ckpt, f"layer {layer} {proj}", modules, k, ns, src)
+
+
+def _check_device(device):
+    if not isinstance(device, bool):
+        raise TypeError(f"device: expected True (CuPy arrays) or False (NumPy arrays), got {device!r}")
 
 
 def _check_device_bits(plan: _Plan, device: bool):
@@ -374,6 +379,7 @@ def load_stacked(path, layer: int, proj: str, *, device: bool = True,
     Raises ValueError when the experts are dense (use load_layer_weights) or carry a non-zero bias (which a
     StackedGptqWeight cannot hold; load_layer_weights returns it).
     """
+    _check_device(device)
     with Checkpoint(path, scheme) as ckpt:
         ckpt.check_layer(layer)
         plan = _projection_plan(ckpt, int(layer), proj)
@@ -566,6 +572,7 @@ def load_layer_weights(path, layer: int, *, device: bool = True,
     scheme: NamingScheme for families not detected from config.json / tensor names.
     Reads only this layer's tensors, each once; see MoELayerWeights for what comes back.
     """
+    _check_device(device)
     with Checkpoint(path, scheme) as ckpt:
         return _load_layer(ckpt, layer, device)
 
@@ -580,9 +587,21 @@ def load_model_weights(path, *, device: bool = True, progress: bool | Callable |
     layers: only these layer indices (default: every MoE layer config.json describes).
     Other arguments as load_layer_weights. Layers load one after another, each read once.
     """
+    _check_device(device)
+    if progress is not None and not isinstance(progress, bool) and not callable(progress):
+        raise TypeError(f"progress: expected None, True, False or a callable progress(done, total, layer), "
+                        f"got {progress!r}")
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, (Iterable, type(None))):
+        raise TypeError(f"layers: expected an iterable of ints (layer indices) or None, got {layers!r}")
     out = {}
     with Checkpoint(path, scheme) as ckpt:
-        todo = ckpt.moe_layers() if layers is None else [int(x) for x in layers]
+        if layers is None:
+            todo = ckpt.moe_layers()
+        else:
+            todo = list(layers)
+            for j, layer in enumerate(todo):  # every index checked before the first layer loads
+                ckpt.check_layer(layer, f"layers[{j}]")
+            todo = [int(layer) for layer in todo]
         with progress_bar(enabled=False if callable(progress) else progress, total=len(todo), unit="layer",
                           desc="loading MoE layers") as bar:
             total_bytes = 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +54,10 @@ class SafetensorsFile:
         self.lenient = lenient
         self.truncated: list[str] = []
         try:
-            self._fd = os.open(path, os.O_RDONLY)
+            _require_regular_file(path, "safetensors file")
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: safetensors file not found") from None
+        self._fd = os.open(path, os.O_RDONLY)
         try:
             self.tensors, self.metadata = self._parse()
         except BaseException:
@@ -227,13 +229,21 @@ class TensorIndex:
         self._files.clear()
 
 
+def _require_regular_file(path: Path, what: str) -> None:
+    """ValueError naming `path` unless it is a regular file (or a link to one), checked before opening it: a
+    directory fails only on the first read, and opening a FIFO blocks until a writer comes."""
+    mode = os.stat(path).st_mode
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+        raise ValueError(f"{path}: expected a {what}, got {kind}, not a regular file")
+
+
 def read_json(path: Path):
     """The parsed JSON file; ValueError naming the file when it is not a readable JSON document."""
+    _require_regular_file(path, "JSON file")
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
-    except IsADirectoryError:
-        raise ValueError(f"{path}: expected a JSON file, got a directory") from None
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: expected UTF-8 JSON text, got undecodable bytes ({exc})") from None
     except RecursionError:
