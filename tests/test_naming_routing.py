@@ -133,6 +133,9 @@ def test_softmax_families_without_routing_keys(tmp_path, family):
                                                        r"positive finite number, at most 65504 \(the largest float16"),
     ("deepseek_v2", dict(routed_scaling_factor=1e30), r"routed_scaling_factor=1e\+30: expected a positive finite"),
     ("deepseek_v2", dict(routed_scaling_factor=float("inf")), r"routed_scaling_factor=inf: expected a positive finite"),
+    ("deepseek_v3", dict(num_experts_per_tok=3, n_group=2, topk_group=1),
+     r"config\.json num_experts_per_tok=3: expected at most topk_group \* E / n_group = 2 \(only the experts of the "
+     r"topk_group=1 kept groups can be chosen\)"),
 ])
 def test_routing_errors_name_the_setting_and_its_source(tmp_path, family, extra, match):
     write_checkpoint(tmp_path, family=family, extra_config=extra, return_weights=False)

@@ -122,3 +122,6 @@ def check(out: dict, family: str, num_experts: int | None):
     if num_experts is not None and out["topk_method"][0] == "noaux_tc" and num_experts // n_group < 2:
         bad("n_group", f"at most E/2 = {num_experts // 2} (topk_method 'noaux_tc' scores a group by the sum of its "
             f"two best experts, so each group of the E={num_experts} experts needs at least 2)")
+    if num_experts is not None and top_k > topk_group * (num_experts // n_group):
+        bad("top_k", f"at most topk_group * E / n_group = {topk_group * (num_experts // n_group)} (only the experts "
+            f"of the topk_group={topk_group} kept groups can be chosen)")
