@@ -33,8 +33,8 @@ class Checkpoint:
         self.folder = folder
         cfg_path = folder / "config.json"
         if not cfg_path.exists() and not any(folder.glob("*.safetensors*")):
-            raise FileNotFoundError(f"{folder}: not a checkpoint folder: expected config.json and *.safetensors files, "
-                                    f"found neither")
+            raise FileNotFoundError(f"{folder}: not a checkpoint folder: expected config.json and *.safetensors "
+                                    f"files, found neither")
         self.config = read_json(cfg_path) if cfg_path.exists() else None
         if self.config is not None and not isinstance(self.config, dict):
             raise ValueError(f"{cfg_path}: expected a JSON object, got {type(self.config).__name__}")
