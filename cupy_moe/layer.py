@@ -82,16 +82,19 @@ def select_experts(router_logits, top_k, renormalize=False):
     """
     check_input("router_logits", router_logits, ("float16", "bfloat16", "float32"), "[M, E]")
     _check_matrix("router_logits", router_logits, "[M, E]")
-    _check_top_k(router_logits, top_k)  # the kernel's limits, on both paths (a NumPy script moves over unchanged)
+    # the kernel's limits, on both paths (a NumPy script moves over unchanged)
+    _check_routing_args(router_logits, top_k, renormalize)
     if not is_device_array(router_logits):
         return reference.select_experts(router_logits, top_k, renormalize)
     ctype = _ctype("router_logits", router_logits.dtype, ("float16", "bfloat16", "float32"))
     return _launch_per_token(f"select_experts<{ctype}>", router_logits, top_k, (np.int32(bool(renormalize)),))
 
 
-def _check_top_k(router_logits, top_k):
+def _check_routing_args(router_logits, top_k, renormalize):
     """The routing kernels' limits, checked on both paths: E <= 1024 (a warp's shared memory), A <= 32 (one slot
-    per lane)."""
+    per lane); and renormalize a bool (a string such as "no" would read as true)."""
+    if not isinstance(renormalize, (bool, np.bool_)):
+        raise TypeError(f"renormalize: expected True or False, got {renormalize!r}")
     e = router_logits.shape[1]
     if not 1 <= e <= 1024:
         raise ValueError(f"router_logits: expected 1 <= E <= 1024 experts, got E={e}")
@@ -197,7 +200,7 @@ def route_experts(router_logits, top_k, *, scoring_func="softmax", e_score_corre
     _check_matrix("router_logits", router_logits, "[M, E]")
     m, e = router_logits.shape
     device = is_device_array(router_logits)
-    _check_top_k(router_logits, top_k)  # the kernel's limits, on both paths
+    _check_routing_args(router_logits, top_k, renormalize)  # the kernel's limits, on both paths
     if scoring_func not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring_func: expected 'softmax' or 'sigmoid', got {scoring_func!r}")
     if topk_method not in (None, "greedy", *_GROUP_MODES):

@@ -161,6 +161,9 @@ def test_route_experts_rejects_bad_arguments():
         route_experts(logits, 2, topk_method="noaux_tc", n_group=4, topk_group=5)
     with pytest.raises(ValueError, match=r"e_score_correction_bias: expected float32 \[E\] = \[8\]"):
         route_experts(logits, 2, e_score_correction_bias=np.zeros(4, np.float32))
+    for call in (lambda: route_experts(logits, 2, renormalize="no"), lambda: select_experts(logits, 2, "no")):
+        with pytest.raises(TypeError, match="renormalize: expected True or False, got 'no'"):
+            call()
     for n_group in (0, -2, True, 2.0, "2"):  # never read as "no groups" or as another number
         with pytest.raises(ValueError, match=f"n_group: expected None or a positive int, got {n_group!r}"):
             route_experts(logits, 2, topk_method="noaux_tc", n_group=n_group, topk_group=1)
