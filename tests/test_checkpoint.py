@@ -27,6 +27,8 @@ from cupy_moe.checkpoint import (NamingScheme, inspect_checkpoint, load_layer_we
 from cupy_moe.testing import FAMILIES, edit_checkpoint, write_checkpoint
 from cupy_moe.weights import StackedGptqWeight
 
+from gptqmodel_v1 import gptqmodel_v1
+
 NAMES = {  # family -> (experts prefix of layer L, gate, up, down, router module)
     "mixtral": ("model.layers.{L}.block_sparse_moe.experts", "w1", "w3", "w2",
                 "model.layers.{L}.block_sparse_moe.gate"),
@@ -410,6 +412,7 @@ def test_v1_zeros_decode_inverts_gptqmodel_export(bits, rows, units, rnd):
     real[0, 0] = 0  # the value AutoGPTQ's v1 cannot hold
     q = R.QuantizedLinear(None, R.pack_cols(real, bits), None, None, "gptq_v2")
     v1 = _zeros_to_format(q, bits, "gptq")
+    np.testing.assert_array_equal(v1, gptqmodel_v1(real, bits))  # the writer exports as GPTQModel does
     got = _real_zeros(v1, Quant(bits, 32, False, False, "gptq"))
     np.testing.assert_array_equal(got, real)
     np.testing.assert_array_equal(_real_zeros(q.qzeros, Quant(bits, 32, False, False, "gptq_v2")), real)

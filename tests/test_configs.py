@@ -1,5 +1,6 @@
 """Tile choice: the catalogue, the heuristic, the GPU description and the tuned tables. CPU only."""
 import copy
+import dataclasses
 import json
 import warnings
 from dataclasses import replace
@@ -379,8 +380,8 @@ def test_choices_leave_module_state_alone():
             choose(m, 8, 2, 4096, 28672, 4, 128, 32, act_order=True, pair_a=True, gpu=gpu)
     configs.all_name_expressions("sm_90a")
     assert state() == before
-    with pytest.raises(Exception):
-        configs.DECODE.split_k = 2  # frozen
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        configs.DECODE.split_k = 2
 
 
 def _numpy_problem(act_order=False):

@@ -337,15 +337,6 @@ def test_gemm_many_blocks_per_expert():
     assert float(cp.linalg.norm(small - large)) / scale <= 2 * REL_L2["float16"]
 
 
-def test_numpy_inputs_run_reference():
-    rng = np.random.default_rng(3)
-    w = make_weight(rng, 2, 64, 32, 4, 32, True, False)
-    x = rng.standard_normal((3, 64)).astype(np.float16)
-    s, eids, post = moe_align_block_size(np.array([[0], [1], [0]]), 16, 2)
-    out = fused_moe_gemm(x, w, s, eids, post, 1)
-    assert isinstance(out, np.ndarray) and out.shape == (3, 32)
-
-
 def test_rejects_bad_shapes_before_launch():
     rng = np.random.default_rng(4)
     w = make_weight(rng, 2, 64, 32, 4, 32, True, False).to_device()
@@ -358,7 +349,7 @@ def test_rejects_bad_shapes_before_launch():
     s8, e8, p8 = moe_align_block_size(cp.asarray(np.array([[0], [1], [0]], np.int32)), 8, 2)
     with pytest.raises(ValueError, match="block size B"):
         fused_moe_gemm(x, w, s8, e8, p8, 1)
-    with pytest.raises(ValueError, match="out"):
+    with pytest.raises(ValueError, match=r"out: expected shape \(3, 32\)"):
         fused_moe_gemm(x, w, s, eids, post, 1, out=cp.zeros((3, 16), cp.float16))
     odd = StackedGptqWeight(  # G = 48 is not a multiple of 32
         cp.zeros((2, 12, 32), cp.int32), cp.zeros((2, 2, 32), cp.float16), None, None,

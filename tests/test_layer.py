@@ -8,7 +8,7 @@ import cupy_moe
 from cupy_moe import reference
 from cupy_moe import configs
 from cupy_moe.layer import MoELayer, MoEPlan, fused_moe, plan_moe, route_experts, select_experts
-from cupy_moe.testing import dense_layer_output, write_checkpoint
+from cupy_moe.testing import dense_layer_output, edit_checkpoint, write_checkpoint
 from cupy_moe.weights import StackedGptqWeight
 
 from tolerances import REL_L2
@@ -73,6 +73,24 @@ def test_softmax_routing_matches_plain_sort(tmp_path):
     np.testing.assert_array_equal(ids, want)
     picked = np.take_along_axis(probs, want, 1)
     np.testing.assert_allclose(weights, picked / picked.sum(1, keepdims=True), rtol=1e-5)  # Mixtral renormalizes
+
+
+def test_router_bias_is_loaded_and_added_to_the_logits(tmp_path):
+    """A router with a `.bias` tensor: the loader keeps it (float32 [E]) and routing adds it to the logits."""
+    write_checkpoint(tmp_path, family="mixtral", hidden=H, intermediate=I, num_experts=E, return_weights=False)
+    bias = np.linspace(-1, 1, E).astype(np.float32)
+    bias[5] = 30.0  # far above every logit of these tokens: expert 5 is everyone's first choice
+    edit_checkpoint(tmp_path, replace={"model.layers.0.block_sparse_moe.gate.bias": bias.astype(np.float16)})
+    layer = cupy_moe.load_moe_layer(tmp_path, 0, device=False)
+    assert layer.weights.router_bias.dtype == np.float32
+    np.testing.assert_array_equal(layer.weights.router_bias, bias.astype(np.float16).astype(np.float32))
+    x = hidden(33, seed=3)
+    weights, ids = layer.route(x)
+    logits = x.astype(np.float32) @ layer.weights.router_weight.astype(np.float32).T + layer.weights.router_bias
+    probs = np.exp(logits - logits.max(1, keepdims=True))
+    probs /= probs.sum(1, keepdims=True)
+    np.testing.assert_array_equal(ids, _plain_topk(probs, 2))
+    assert (ids[:, 0] == 5).all()
 
 
 @pytest.mark.parametrize("topk_group", [1, 2])
@@ -197,6 +215,32 @@ def test_fused_moe_numpy_is_the_reference(tmp_path):
     out = np.full((5, H), np.nan, np.float16)
     assert fused_moe(x, w.w13, w.w2, weights, ids, out=out) is out
     np.testing.assert_array_equal(out, want)
+
+
+def test_fused_moe_gemm_and_align_numpy_are_the_reference(tmp_path):
+    """The public NumPy paths of one GEMM phase and its align give the reference's outputs bit for bit: routing
+    weights, `out`, pair-ordered activations, one pair per block; a padded total below the capacity."""
+    w = _stacked(tmp_path)
+    rng = np.random.default_rng(4)
+    m, a = 5, 2
+    ids = np.stack([rng.permutation(E)[:a] for _ in range(m)]).astype(np.int32)
+    got = cupy_moe.moe_align_block_size(ids, 16, E)
+    want = reference.moe_align_block_size(ids, 16, E)
+    for g, r in zip(got, want):
+        assert g.dtype == np.int32
+        np.testing.assert_array_equal(g, r)
+    assert got[2][0] < got[0].size  # the total is the routing's, not the capacity
+    x, tw = hidden(m), rng.uniform(0.1, 1.0, (m, a)).astype(np.float32)
+    for args, kw in (((x, w.w13, *got, a), {}), ((x, w.w13, *got, a, tw), {}),
+                     ((x[:1], w.w13, None, ids[:1], None, a), {}),
+                     ((reference.to_pair_order(rng.standard_normal((m * a, I)).astype(np.float16)), w.w2, *got, 1,
+                       tw), dict(a_pair_order=True))):
+        ref = reference.fused_moe_gemm(*args, **kw)
+        assert ref.any()
+        np.testing.assert_array_equal(cupy_moe.fused_moe_gemm(*args, **kw), ref)
+        out = np.full_like(ref, np.nan)
+        assert cupy_moe.fused_moe_gemm(*args, out=out, **kw) is out
+        np.testing.assert_array_equal(out, ref)
 
 
 H200 = configs.GpuInfo("Test H200", "sm_90a", 132)

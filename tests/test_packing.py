@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from cupy_moe import _packing as P
 from cupy_moe import reference as R
 
+from gptqmodel_v1 import gptqmodel_v1
+
 BITS = (2, 3, 4, 8)
 
 
@@ -61,8 +63,8 @@ def test_v1_real_round_trip_every_zero(case):
     """real -> v1 (GPTQModel's word-level export, a real zero of 0 borrowing) -> real gives the zeros back."""
     bits, real = case
     real[0, 0] = 0  # the value v1 cannot hold in its own field
-    packed = P.pack(real, bits)
-    v1 = P.real_to_v1(packed, bits)
+    v1 = P.real_to_v1(P.pack(real, bits), bits)
+    np.testing.assert_array_equal(v1, gptqmodel_v1(real, bits))  # the export, written independently
     np.testing.assert_array_equal(P.unpack(P.v1_to_real(v1, bits), bits), real)
 
 
