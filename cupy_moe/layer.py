@@ -372,38 +372,46 @@ def fused_moe(hidden_states, w13, w2, topk_weights, topk_ids, *, out=None, plan=
             return out
         return result
     cp = require_gpu("fused_moe on CuPy arrays")
+    m, h = hidden_states.shape
+    dtype = hidden_states.dtype
+    if out is None:
+        out = cp.empty((m, h), dtype)
+    return out if m == 0 else _launch_experts(hidden_states, w13, w2, topk_weights, topk_ids, out, plan)
+
+
+def _launch_experts(hidden_states, w13, w2, topk_weights, topk_ids, out, plan, ids_in_range=False):
+    """fused_moe's launches on checked device inputs, M > 0; plan None: chosen here. topk_weights None: every slot's
+    weight is 1 (nothing multiplied: the same bits). ids_in_range: every id is in [0, E), so that a one-slot call
+    needs no zero fill of `out` (the shared experts' ids are all 0)."""
     ctype = _ctype("hidden_states", hidden_states.dtype)
     m, h = hidden_states.shape
     a = topk_ids.shape[1]
     p, i, e = m * a, w2.k, w13.num_experts
     dtype = hidden_states.dtype
-    if out is None:
-        out = cp.empty((m, h), dtype)
-    if m == 0:
-        return out
     # One configuration per phase, chosen once and passed down: what the plan says is what launches.
     if plan is None:
         plan = _choose(m, a, w13, w2, configs.gpu_info(), allocate=False)
     if plan.one_pair:  # the GEMMs take topk_ids as the pairs' expert ids
-        aligned = None, cp.ascontiguousarray(topk_ids, dtype=cp.int32), None
+        aligned = None, cupy.ascontiguousarray(topk_ids, dtype=cupy.int32), None
     else:
         aligned = moe_align_block_size(topk_ids, plan.up.block_m, e)
     # Every pair is in the list, so every row of x1 and x2 is written: no zero fill needed.
-    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cp.empty((p, 2 * i), dtype), config=plan.up,
+    x1 = fused_moe_gemm(hidden_states, w13, *aligned, a, out=cupy.empty((p, 2 * i), dtype), config=plan.up,
                         workspace=plan.workspace)
     if plan.down.block_m != plan.up.block_m:  # another block size: a second align launch (pair ids are shared)
         aligned = moe_align_block_size(topk_ids, plan.down.block_m, e)
-    act = cp.empty((p, i), dtype)
+    act = cupy.empty((p, i), dtype)
     _compile.launch(_compile.get_kernel(_FILE, f"silu_and_mul<{ctype}>"), _grid(p * i // 8), (_THREADS,),
                     (x1, act, np.int64(p), np.int32(i), np.int32(plan.pair_order)))
     vec = out.data.ptr % 16 == 0  # H is a multiple of 32 and x2 is ours: only a caller's `out` can be unaligned
     if a == 1 and vec:  # one slot per token (shared experts): the down GEMM writes the sum's values into out
-        out.data.memset_async(0, out.nbytes)  # a token whose id is outside [0, E) gets zeros, as from the sum
+        if not ids_in_range:
+            out.data.memset_async(0, out.nbytes)  # a token whose id is outside [0, E) gets zeros, as from the sum
         return fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=out,
                               a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
-    x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cp.empty((p, h), dtype),
+    x2 = fused_moe_gemm(act, w2, *aligned, 1, topk_weights=topk_weights, out=cupy.empty((p, h), dtype),
                         a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
-    ids = cp.ascontiguousarray(topk_ids)  # the sum skips ids outside [0, E), as the GEMMs did
+    ids = cupy.ascontiguousarray(topk_ids)  # the sum skips ids outside [0, E), as the GEMMs did
     itype = "int" if ids.dtype == np.int32 else "long long"
     _compile.launch(_compile.get_kernel(_FILE, f"moe_sum<{ctype}, {itype}>"), _grid(m * h // (8 if vec else 1)),
                     (_THREADS,), (x2, ids, out, np.int64(m), np.int32(a), np.int32(h), np.int32(e), np.int32(vec)))
@@ -427,10 +435,14 @@ def _xp_of(x):
     return cupy if is_device_array(x) else np
 
 
+def _fused_takes(w13, w2, b13, b2):
+    """Whether `fused_moe` runs these experts: GPTQ weights, no biases (else `_experts_general`)."""
+    return isinstance(w13, StackedGptqWeight) and isinstance(w2, StackedGptqWeight) and b13 is None and b2 is None
+
+
 def _experts(x, w13, w2, b13, b2, weights, ids):
-    """Routed or shared experts: `fused_moe` where it takes the weights (GPTQ, no biases), else `_experts_general`."""
-    if (isinstance(w13, StackedGptqWeight) and isinstance(w2, StackedGptqWeight)
-            and b13 is None and b2 is None):
+    """Routed or shared experts: `fused_moe` where it takes the weights, else `_experts_general`."""
+    if _fused_takes(w13, w2, b13, b2):
         return fused_moe(x, w13, w2, weights, ids)
     return _experts_general(x, w13, w2, b13, b2, weights, ids)
 
@@ -587,9 +599,15 @@ class MoELayer:
         xp = _xp_of(x)
 
         def run():
-            m = x.shape[0]
-            shared = _experts(x, s.gate_up, s.down, s.gate_up_bias, s.down_bias, xp.ones((m, 1), np.float32),
-                              xp.zeros((m, 1), np.int32))
+            m, h = x.shape
+            zeros = xp.zeros((m, 1), np.int32)  # the one expert's id
+            if xp is np or not _fused_takes(s.gate_up, s.down, s.gate_up_bias, s.down_bias):
+                shared = _experts(x, s.gate_up, s.down, s.gate_up_bias, s.down_bias, xp.ones((m, 1), np.float32),
+                                  zeros)
+            else:  # fused_moe's launches without a ones fill for the weights or a zero fill for the output
+                shared = cupy.empty((m, h), x.dtype)
+                if m:
+                    _launch_experts(x, s.gate_up, s.down, None, zeros, shared, None, ids_in_range=True)
             return shared, None if w.shared_gate_weight is None else _linear_f32(x, w.shared_gate_weight)
 
         if xp is np:
