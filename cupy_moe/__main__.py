@@ -203,10 +203,16 @@ def in_chunks(fn, x, chunk: int, step: Steps, what: str) -> np.ndarray:
 
 
 def write_demo_checkpoint(folder, shape, seed):
+    """The demo's checkpoint, written into a temporary folder inside `folder` and moved up once complete: a demo
+    stopped while writing (a signal, a full disk) leaves `--dir` as empty as it found it, so that it can run again."""
     from .testing import write_checkpoint
-    write_checkpoint(folder, family=shape.family, num_layers=1, hidden=shape.hidden, intermediate=shape.intermediate,
-                     num_experts=shape.num_experts, top_k=shape.top_k, group_size=shape.group_size,
-                     shared_intermediate=shape.shared_intermediate or None, return_weights=False, seed=seed)
+    with tempfile.TemporaryDirectory(prefix=".partial_", dir=folder) as part:
+        write_checkpoint(part, family=shape.family, num_layers=1, hidden=shape.hidden,
+                         intermediate=shape.intermediate, num_experts=shape.num_experts, top_k=shape.top_k,
+                         group_size=shape.group_size, shared_intermediate=shape.shared_intermediate or None,
+                         return_weights=False, seed=seed)
+        for written in Path(part).iterdir():
+            os.replace(written, folder / written.name)
 
 
 def demo_cpu(args, folder, shape, why: str) -> int:

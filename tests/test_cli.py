@@ -14,6 +14,7 @@ import pytest
 from cupy_moe import __main__ as cli
 from cupy_moe._xp import gpu_available
 from cupy_moe.__main__ import main
+from cupy_moe.models import get_model
 from cupy_moe.testing import write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -130,6 +131,23 @@ def test_demo_creates_a_new_dir(monkeypatch, tmp_path):
     monkeypatch.setattr(cli, "demo_cpu", lambda args, folder, shape, why: seen.setdefault("folder", folder) and 0)
     assert main(["demo", "--cpu", "--dir", str(tmp_path / "new" / "ckpt")]) == 0
     assert seen["folder"] == tmp_path / "new" / "ckpt" and seen["folder"].is_dir()
+
+
+def test_a_demo_stopped_while_writing_leaves_its_dir_empty(monkeypatch, tmp_path):
+    """--dir holds nothing of a checkpoint whose writing did not finish, so the same command runs again."""
+    import cupy_moe.testing
+
+    def write_then_stop(folder, **kw):
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cupy_moe.testing, "write_checkpoint", write_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        cli.write_demo_checkpoint(tmp_path, get_model("tiny"), 0)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    cli.write_demo_checkpoint(tmp_path, get_model("tiny"), 0)
+    assert {f.name for f in tmp_path.iterdir()} >= {"config.json", "model.safetensors"}
 
 
 def test_demo_cpu_says_its_disk_and_memory_first(tmp_path):
