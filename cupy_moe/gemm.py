@@ -131,9 +131,7 @@ def _check_config(config, block_m, act_order, pair_a, hopper, one_pair):
 
 def _check_device_weight(weight, a, a_pair_order):
     """What the kernels need of the weight beyond its own validation: on this device, 4 or 8 bits, K matching a,
-    K, N and the group size in whole 32-wide chunks."""
-    if not isinstance(weight, StackedGptqWeight):
-        _fail("weight", "a StackedGptqWeight", type(weight).__name__, TypeError)
+    K, N and the group size in whole 32-wide chunks (its type: _check_call)."""
     if not weight.is_device:
         _fail("weight", "a StackedGptqWeight on the device (weight.to_device())", "NumPy arrays", TypeError)
     check_current_device("weight", weight.qweight)
