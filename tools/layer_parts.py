@@ -59,7 +59,8 @@ class Layer:
         self._prefetch = None
         self._side = cp.cuda.Stream(non_blocking=True)
 
-    def _align(self, plan, ids, block_m):
+    def align(self, plan, ids, block_m):
+        """The pair list fused_moe gives a phase of block_m-row blocks (the ids themselves at one pair per block)."""
         if plan.one_pair:
             return None, cp.ascontiguousarray(ids, dtype=cp.int32), None
         return moe_align_block_size(ids, block_m, self.e)
@@ -83,10 +84,13 @@ class Layer:
         done.record(self._side)
         return done
 
-    def launch(self, x, tw, ids, plan, out, *, silu=True, msum=True, down=True, down_ids=None, pf=False):
+    def launch(self, x, tw, ids, plan, out, *, silu=True, msum=True, down=True, down_list=None, pf=False):
+        """fused_moe's launches; down_list: the down phase's pair list, made beforehand (hot_down), else as fused_moe
+        makes it."""
         m, p, dtype = x.shape[0], x.shape[0] * self.a, x.dtype
         joined = self._prefetch_down(ids) if pf else None
-        x1 = fused_moe_gemm(x, self.w13, *self._align(plan, ids, plan.up.block_m), self.a,
+        up_list = self.align(plan, ids, plan.up.block_m)
+        x1 = fused_moe_gemm(x, self.w13, *up_list, self.a,
                             out=cp.empty((p, 2 * self.i), dtype), config=plan.up, workspace=plan.workspace)
         act = cp.empty((p, self.i), dtype)
         if silu:
@@ -96,7 +100,8 @@ class Layer:
             cp.cuda.get_current_stream().wait_event(joined)
         if not down:
             return out
-        down_list = self._align(plan, ids if down_ids is None else down_ids, plan.down.block_m)
+        if down_list is None:  # as fused_moe: one align launch for both phases where they take the same block size
+            down_list = up_list if plan.down.block_m == plan.up.block_m else self.align(plan, ids, plan.down.block_m)
         x2 = fused_moe_gemm(act, self.w2, *down_list, 1, topk_weights=tw, out=cp.empty((p, self.h), dtype),
                             a_pair_order=plan.pair_order, config=plan.down, workspace=plan.workspace)
         if msum:
@@ -133,8 +138,9 @@ def main():
             for _ in range(args.rounds):
                 for name, kw in variants.items():
                     kw = dict(kw)
-                    down_ids = sets[0][1] if kw.pop("hot", False) else None
-                    calls = [lambda tw=tw, ids=ids, d=down_ids: layer.launch(x, tw, ids, plan, out, down_ids=d, **kw)
+                    if kw.pop("hot", False):  # the first routing's experts, aligned once outside the graph
+                        kw["down_list"] = layer.align(plan, sets[0][1], plan.down.block_m)
+                    calls = [lambda tw=tw, ids=ids, kw=kw: layer.launch(x, tw, ids, plan, out, **kw)
                              for tw, ids in sets]
                     times.setdefault(name, []).append(graph_time(calls, reps=20, warmup=3) * 1e6)
             print(f"{model:18s} M={m:<4d} up={plan.up.spec} down={plan.down.spec}")
