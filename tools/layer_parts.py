@@ -117,10 +117,7 @@ def main():
     ap.add_argument("--m", default="1,8", help="token counts (default 1,8)")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    variants = {"full": {}, "no_silu": dict(silu=False), "no_sum": dict(msum=False), "hot_down": dict(hot=True),
-                "pf_side": dict(pf=True), "up_only": dict(silu=False, msum=False, down=False)}
-    if int(cp.cuda.Device().compute_capability) < 90:
-        del variants["pf_side"]
+    side_prefetch = int(cp.cuda.Device().compute_capability) >= 90
     for model in args.models.split(","):
         layer = Layer(model)
         for m in (int(v) for v in args.m.split(",")):
@@ -136,12 +133,14 @@ def main():
                 raise SystemExit(f"layer_parts: {model} M={m}: the full variant differs from fused_moe")
             hot_list = layer.align(plan, sets[0][1], plan.down.block_m)  # hot_down's pairs: the first routing's
             cp.cuda.Device().synchronize()  # made on this stream, read on graph_time's
+            variants = {"full": {}, "no_silu": dict(silu=False), "no_sum": dict(msum=False),
+                        "hot_down": dict(down_list=hot_list), "pf_side": dict(pf=True),
+                        "up_only": dict(silu=False, msum=False, down=False)}
+            if not side_prefetch:
+                del variants["pf_side"]
             times = {}
             for _ in range(args.rounds):
                 for name, kw in variants.items():
-                    kw = dict(kw)
-                    if kw.pop("hot", False):
-                        kw["down_list"] = hot_list
                     calls = [lambda tw=tw, ids=ids, kw=kw: layer.launch(x, tw, ids, plan, out, **kw)
                              for tw, ids in sets]
                     times.setdefault(name, []).append(graph_time(calls, reps=20, warmup=3) * 1e6)
