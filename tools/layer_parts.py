@@ -70,10 +70,10 @@ class Layer:
         if self._prefetch is None:
             self._prefetch = cp.RawModule(code=PREFETCH_SRC, options=(f"--gpu-architecture={_compile.device_arch()}",)
                                           ).get_function("prefetch_experts")
-        fork = cp.cuda.Event(disable_timing=True)
+        flat = cp.ascontiguousarray(ids, dtype=cp.int32).ravel()  # made on this stream before the fork: the side
+        fork = cp.cuda.Event(disable_timing=True)                   # stream reads it
         fork.record()
         self._side.wait_event(fork)
-        flat = cp.ascontiguousarray(ids, dtype=cp.int32).ravel()
         w2 = self.w2
         arrays = (w2.qweight, w2.scales, w2.qzeros)
         args = (flat,) + sum(((x if x is not None else np.uintp(0), np.int64(0 if x is None else x.nbytes // self.e))
