@@ -18,9 +18,10 @@ replays (cupy_moe.timing), the two versions interleaved row by row; with --round
 per row in alternating order and the median counts. Exit status 1 when a checksum differs. The same checkout on
 both sides tests the method: with the default 10 replays per timing, DeepSeek-V3 gate/up at M = 1024 (16-row
 blocks, 3 ms a call) timed 5-9% faster as "this" than as "other" in four runs on an H100, whichever checkout took
-which side, and within 1.5% with --reps 30; rows of milliseconds want more replays. A version's own tuned
-tables (cupy_moe/configs/tuned/, the user's cache) steer its choices: to compare two versions on the same
-configurations where only one ships a table for this GPU, move that table aside for the run.
+which side, and within 1.5% in one run with --reps 30: time rows of milliseconds with more replays, and check
+them this way. A version's own tuned tables (cupy_moe/configs/tuned/, the user's cache) steer its choices: to
+compare two versions on the same configurations where only one ships a table for this GPU, move that table aside
+for the run.
 """
 from __future__ import annotations
 
