@@ -10,18 +10,18 @@ benchmarks/bench_gemm.py, on random 4-bit weights (G = 128, real zero points) an
 of each version's own choice (M = 1: one pair per block, as fused_moe runs it; down on 16-row blocks: pair-ordered
 activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M. `--rows` picks
 which: `gemm` and `layer` by default; `moe_layer` adds, for the models with shared experts and at every M, a whole
-`MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert gated), whose router and shared weights
-come in 4 copies used in turn so that they are not read from L2. Both versions see the same inputs; each runs only
-its public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`,
-`MoELayer`), so any two versions since the tile choice took its present signature can be compared. Times are graph
-replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R each version is timed R times
-per row in alternating order and the median counts. Exit status 1 when a checksum differs. The same checkout on
-both sides tests the method: with the default 10 replays per timing, DeepSeek-V3 gate/up at M = 1024 (16-row
-blocks, 3 ms a call) timed 5-9% faster as "this" than as "other" in four runs on an H100, whichever checkout took
-which side, and within 1.5% in one run with --reps 30: time rows of milliseconds with more replays, and check
-them this way. A version's own tuned tables (cupy_moe/configs/tuned/, the user's cache) steer its choices: to
-compare two versions on the same configurations where only one ships a table for this GPU, move that table aside
-for the run.
+`MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert gated), whose router and shared weights come
+in 4 copies used in turn so that they are not read from L2. Both versions see the same inputs; each runs only its
+public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`, `MoELayer`), so
+any two versions since the tile choice took its present signature can be compared. Times are graph replays
+(cupy_moe.timing), the two versions interleaved row by row; with --rounds R each version is timed R times per row in
+alternating order and the median counts. Exit status 1 when a checksum differs. The same checkout on both sides tests
+the method, and rows of milliseconds need it (H100, two to four rounds): there the same code timed up to 10% apart
+(Mixtral-8x22B down M = 4096, 3396 against 3756 us), and DeepSeek-V3 gate/up at M = 1024 (16-row blocks, 3 ms a call)
+timed 5-9% faster as "this" in all five runs with the default 10 replays per timing, whichever checkout took which
+side, and within 1.5% in both runs with --reps 30. A version's own tuned tables (cupy_moe/configs/tuned/, the user's
+cache) steer its choices: to compare two versions on the same configurations where only one ships a table for this
+GPU, move that table aside for the run.
 """
 from __future__ import annotations
 
