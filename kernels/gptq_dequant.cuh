@@ -160,7 +160,7 @@ __device__ __forceinline__ void dequant8(const u32 (&q)[kBits / 4], const unsign
 
 // ---- dequantization with one scale and zero for all 8 codes (no act-order) -------------------------------------
 // The per-group constants are built once per group (GroupConst) instead of once per 32-k chunk.
-// fp16: ss = scale pair; zlo = (1024 + z) pair; zhi = -(64 + z) pair; zmix = -(1024 + z) | -(64 + z) (frag_chunk).
+// fp16: ss = scale pair; zlo = (1024 + z) pair; zhi = -(64 + z) pair; zmix = -(1024 + z) | -(64 + z) (frag_words).
 // bf16: sf = scale as float; zf = 2^23 + z as float.
 struct GroupConst {
   u32 ss, zlo, zhi, zmix;
@@ -278,28 +278,24 @@ __device__ __forceinline__ uint4 dequant8_natural(const u32 (&q)[kBits / 4], con
 // fp16 4-bit: one PRMT puts byte t of two words at bytes 0/2 and 1/3; masking 0x00F0000F then leaves the low code at
 // bits 0-3 and the high code at bits 20-23, i.e. the halves 1024 + lo and 1024 + 16 hi, and one fma with
 // (1, 1/16) and (-(1024 + z), -(64 + z)) (zmix) gives (lo - z, hi - z) exactly.
-// qcol: the column's word of qweight row 0 in shared memory, rows `stride` words apart; sel: the PRMT selector of
-// the lane (frag_select).
-// The lane's PRMT selector for frag_chunk, computed once per thread.
+// The lane's PRMT selector for frag_words, computed once per thread.
 __device__ __forceinline__ u32 frag_select(int kBits, int t) {
   return kBits == 4 ? u32(t) | (u32(t + 4) << 4) | (u32(t) << 8) | (u32(t + 4) << 12)  // byte t of a, b, a, b
                     : u32(2 * (t & 1)) | (4u << 4) | (u32(2 * (t & 1) + 1) << 8) | (4u << 12);  // half (t&1), 0x64
 }
 
-// One column's A fragment of one 32-k chunk, dequantized straight from the raw words in shared memory.
+// One column's A fragment of one 32-k chunk from the raw words the lane needs (4-bit: qweight rows 0..3 of the chunk;
+// 8-bit: rows 2i + (t >> 1), i = 0..3), loaded by the caller; sel from frag_select.
 template <bool kBf16, int kBits>
-__device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u32 sel, const GroupConst& c,
-                                           u32 (&f)[4]) {
+__device__ __forceinline__ void frag_words(const u32 (&w)[4], int t, u32 sel, const GroupConst& c, u32 (&f)[4]) {
   if constexpr (kBits == 4) {
-    const u32 w0 = qcol[0], w1 = qcol[stride], w2 = qcol[2 * stride], w3 = qcol[3 * stride];
     if constexpr (!kBf16) {
-      const u32 x01 = prmt(w0, w1, sel), x23 = prmt(w2, w3, sel);
+      const u32 x01 = prmt(w[0], w[1], sel), x23 = prmt(w[2], w[3], sel);
       const u32 p[4] = {and_or(x01, 0x00F0000Fu, 0x64006400u), and_or(x01 >> 8, 0x00F0000Fu, 0x64006400u),
                         and_or(x23, 0x00F0000Fu, 0x64006400u), and_or(x23 >> 8, 0x00F0000Fu, 0x64006400u)};
 #pragma unroll
       for (int i = 0; i < 4; ++i) f[i] = hmul2(hfma2(p[i], 0x2C003C00u, c.zmix), c.ss);
     } else {
-      const u32 w[4] = {w0, w1, w2, w3};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const u32 b = w[i] >> (8 * t);
@@ -308,14 +304,12 @@ __device__ __forceinline__ void frag_chunk(const u32* qcol, int stride, int t, u
       }
     }
   } else {
-    const u32* q = qcol + (t >> 1) * stride;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const u32 w = q[2 * i * stride];
       if constexpr (!kBf16) {
-        f[i] = hmul2(hsub2(prmt(w, 0x64646464u, sel), c.zlo), c.ss);
+        f[i] = hmul2(hsub2(prmt(w[i], 0x64646464u, sel), c.zlo), c.ss);
       } else {
-        const u32 b = w >> (16 * (t & 1));
+        const u32 b = w[i] >> (16 * (t & 1));
         f[i] = pack2<true>((__uint_as_float(0x4B000000u | (b & 255u)) - c.zf) * c.sf,
                            (__uint_as_float(0x4B000000u | ((b >> 8) & 255u)) - c.zf) * c.sf);
       }

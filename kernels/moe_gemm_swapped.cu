@@ -1,17 +1,23 @@
-// Swapped-operand GEMM kernel `moe_gemm_swapped` (kind "ws" in cupy_moe/configs.py; sm_90a only, no act-order):
+// Swapped-operand GEMM kernel `moe_gemm_swapped` (kind "swapped" in cupy_moe/configs; sm_90a only, no act-order):
 // out^T = W^T a^T. Arguments and tiling: moe_gemm_common.cuh. The weights are the wgmma M side, dequantized
-// straight into registers as its A fragment (gptq_dequant.cuh, frag_chunk); the gathered activation rows
+// straight into registers as its A fragment (gptq_dequant.cuh, frag_words); the gathered activation rows
 // of the block, T = 16 .. 128 of them (the align block size), are its N side, read by the tensor cores from shared
 // memory. So a block of T rows costs T rows of tensor work (the tc kernel's wgmma M side is 64 or 128 rows, mostly
 // padding when experts get 20-60 rows), and no dequantized tile goes through shared memory.
 //
 // CTA = T rows x BN = 128 * MW columns x one K slice, 8 warps = 2 warpgroups; warpgroup i owns columns
-// i * 64 * MW .. as MW m64 tiles, in which warp w holds columns 16w + g and 16w + g + 8 (g = lane / 4, t = lane % 4).
+// i * 64 * MW .. as MW m64 tiles. The m64 rows are mapped to columns so that each lane's 2 * MW columns are adjacent:
+// row 16w + g + 8h of tile mw (warp w of the warpgroup, g = lane / 4, t = lane % 4) is column
+// 16 * MW * w + 2 * MW * g + 2 * mw + h of the warpgroup's. So one 16-byte (MW 2) or 8-byte load of a qweight row
+// gives the lane the words of all its columns, the 8 lane groups of a warp read 8 adjacent pieces (whole
+// shared-memory wavefronts; the 4 lanes of a group read the same piece), and each lane stores its columns' outputs
+// of a row as one piece. (H100, same-run A/B on 9 rows at 32-row blocks: 0.89-0.90 of the time of a lane holding
+// columns g and g + 8 of each tile, whose raw words came in 4-byte loads that used a quarter of each wavefront.)
 // Per 32-k step a ring of NS stages (KT steps each) filled by cp.async holds the activation rows [T][32] (the 64-byte
-// swizzled K-major layout of the tc kernel, now the wgmma B operand), the raw qweight rows [bits][BN] (rows padded by
-// 32 bytes: the 8-bit lanes read two rows at once), the scales [BN] and the zero words. Each thread turns its
-// columns' words into A fragments (two register sets, so that the next stage is dequantized while the tensor cores
-// still read the current one), and the warpgroup issues MW x 2 m64nTk16 ops per step with them.
+// swizzled K-major layout of the tc kernel, now the wgmma B operand), the raw qweight rows [bits][BN], the scales [BN]
+// and the zero words. Each thread turns its columns' words into A fragments (two register sets, so that the next
+// stage is dequantized while the tensor cores still read the current one), and the warpgroup issues MW x 2 m64nTk16
+// ops per step with them.
 // Main loop as in the tc kernel's wgmma path: LOOK = NS - 2 stages in flight, one barrier per stage.
 // Split-K: split_k.cuh.
 
@@ -22,7 +28,7 @@
 template <int T, int BN, int kBits, int NS, int KT>
 struct SwappedSmem {
   static constexpr int kA = T * 64;            // activation rows of one 32-k step (a multiple of 512)
-  static constexpr int kQRow = BN * 4 + 32;    // bytes per qweight row
+  static constexpr int kQRow = BN * 4;         // bytes per qweight row
   static constexpr int kQ = kBits * kQRow;
   static constexpr int kS = BN * 2;
   static constexpr int kZ = BN * kBits / 8;
@@ -152,10 +158,11 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
     for (int s = 0; s < KT; ++s) issue_step(smem_base + slot * L::kStage + s * L::kStep, c + s);
   };
 
-  // ---- A fragments: column ci = 2 * mw + h is tile column 16 * (warp % 4) + g + 8h of m64 tile mw
+  // ---- A fragments: the lane's column ci = 2 * mw + h (row 16 * (warp % 4) + g + 8h of m64 tile mw) is col0 + ci
+  const int col0 = wg * 64 * MW + 16 * MW * (warp & 3) + NC * g;
   int col[NC];
 #pragma unroll
-  for (int ci = 0; ci < NC; ++ci) col[ci] = wg * 64 * MW + (ci >> 1) * 64 + 16 * (warp & 3) + g + 8 * (ci & 1);
+  for (int ci = 0; ci < NC; ++ci) col[ci] = col0 + ci;
   const u32 sel = gptq::frag_select(kBits, t);
   gptq::GroupConst fc[NC];
   int group_left = 0;  // chunks left in the group of the constants in fc
@@ -179,12 +186,24 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
         }
       }
       --group_left;
-      const u32* qs = reinterpret_cast<const u32*>(st + L::kA);
+      // the lane's raw words: qweight rows i (4-bit) or 2i + (t >> 1) (8-bit) of its NC columns, one load per row
+      u32 w[NC][4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const unsigned char* q = st + L::kA + (kBits == 4 ? i : 2 * i + (t >> 1)) * L::kQRow + col0 * 4;
+        if constexpr (NC == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(q);
+          w[0][i] = v.x; w[1][i] = v.y; w[2][i] = v.z; w[3][i] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(q);
+          w[0][i] = v.x; w[1][i] = v.y;
+        }
+      }
 #pragma unroll
       for (int mw = 0; mw < MW; ++mw) {
-        u32 f0[4], f1[4];  // columns g and g + 8
-        gptq::frag_chunk<kBf16, kBits>(qs + col[2 * mw], L::kQRow / 4, t, sel, fc[2 * mw], f0);
-        gptq::frag_chunk<kBf16, kBits>(qs + col[2 * mw + 1], L::kQRow / 4, t, sel, fc[2 * mw + 1], f1);
+        u32 f0[4], f1[4];  // columns 2 mw and 2 mw + 1 of the lane (m64 rows g and g + 8)
+        gptq::frag_words<kBf16, kBits>(w[2 * mw], t, sel, fc[2 * mw], f0);
+        gptq::frag_words<kBf16, kBits>(w[2 * mw + 1], t, sel, fc[2 * mw + 1], f1);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           fr[s][mw][h][0] = f0[2 * h];
@@ -254,9 +273,8 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
   for (int mw = 0; mw < MW; ++mw) gptq::wg_fence_operands(acc[mw]);
 
-  // ---- epilogue: acc[mw][j][r] = column col[2 mw + (r >> 1)], block row 8j + 2t + (r & 1). Lanes g and g ^ 1
-  // swap one value so that each stores two adjacent columns: even g columns g, g + 1; odd g columns g + 7, g + 8.
-  const bool odd = g & 1;
+  // ---- epilogue: acc[mw][j][r] = column col0 + 2 mw + (r >> 1), block row 8j + 2t + (r & 1): for each of its rows the
+  // lane holds the outputs of its NC adjacent columns
   int pair_of[NJ][2];
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
@@ -265,14 +283,7 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
       const int p = __ldg(sorted + blk * T + 8 * j + 2 * t + e);
       pair_of[j][e] = (p >= 0 && p < num_pairs) ? p : -1;
     }
-  // the two columns this lane writes for (mw, j, e): v = (left, right) at column c2
-  auto columns = [&](int mw, int j, int e, float& left, float& right) {
-    const float lo = acc[mw][j][e], hi = acc[mw][j][2 + e];  // columns col[2mw] and col[2mw] + 8
-    const float other = __shfl_xor_sync(0xffffffffu, odd ? lo : hi, 4);
-    left = odd ? other : lo;
-    right = odd ? hi : other;
-  };
-  const int c2_off = odd ? 7 : 0;
+  const int c0 = n_base + col0;  // N is a multiple of 32: the lane's columns are all inside or all past it
 
   if (split_k == 1) {
 #pragma unroll
@@ -280,14 +291,16 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int p = pair_of[j][e];
-        const float w = (p >= 0 && topk_weights) ? __ldg(topk_weights + p) : 1.f;
+        if (p < 0 || c0 >= N) continue;
+        const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+        u32 v[MW];
 #pragma unroll
-        for (int mw = 0; mw < MW; ++mw) {
-          float left, right;
-          columns(mw, j, e, left, right);
-          const int c2 = n_base + col[2 * mw] + c2_off;
-          if (p >= 0 && c2 < N)
-            *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + c2) = gptq::pack2<kBf16>(left * w, right * w);
+        for (int mw = 0; mw < MW; ++mw) v[mw] = gptq::pack2<kBf16>(acc[mw][j][e] * w, acc[mw][j][2 + e] * w);
+        unsigned short* dst = out + static_cast<long long>(p) * N + c0;
+        if constexpr (MW == 2) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(v[0], v[1]);
+        } else {
+          *reinterpret_cast<u32*>(dst) = v[0];
         }
       }
     return;
@@ -298,14 +311,12 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
+      if (pair_of[j][e] < 0 || c0 >= N) continue;
       const int slot = blk * T + 8 * j + 2 * t + e;
 #pragma unroll
       for (int mw = 0; mw < MW; ++mw) {
-        float left, right;
-        columns(mw, j, e, left, right);
-        const int c2 = n_base + col[2 * mw] + c2_off;
-        const float v[2] = {left, right};
-        if (pair_of[j][e] >= 0 && c2 < N) splitk::publish(partials, capacity, N, slot, c2, v);
+        const float v[2] = {acc[mw][j][e], acc[mw][j][2 + e]};
+        splitk::publish(partials, capacity, N, slot, c0 + 2 * mw, v);
       }
     }
   __shared__ int last;
@@ -315,16 +326,15 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int p = pair_of[j][e];
-      if (p < 0) continue;
+      if (p < 0 || c0 >= N) continue;
       const int slot = blk * T + 8 * j + 2 * t + e;
       const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
 #pragma unroll
       for (int mw = 0; mw < MW; ++mw) {
-        const int c2 = n_base + col[2 * mw] + c2_off;
-        if (c2 >= N) continue;
         float v[2];
-        splitk::sum_slices(partials, split_k, capacity, N, slot, c2, v);
-        *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + c2) = gptq::pack2<kBf16>(v[0] * w, v[1] * w);
+        splitk::sum_slices(partials, split_k, capacity, N, slot, c0 + 2 * mw, v);
+        *reinterpret_cast<u32*>(out + static_cast<long long>(p) * N + c0 + 2 * mw) =
+            gptq::pack2<kBf16>(v[0] * w, v[1] * w);
       }
     }
   splitk::reset_ticket(tickets);

@@ -172,7 +172,7 @@ class GemmConfig:
         base."""
         bn = self.block_n
         if self.kind == "swapped":
-            step = -(-(self.block_m * 64 + bits * (bn * 4 + 32) + bn * 2 + bn * bits // 8) // 512) * 512
+            step = -(-(self.block_m * 64 + bits * bn * 4 + bn * 2 + bn * bits // 8) // 512) * 512
             return self.stages * self.ku * step + 1024
         if self.kind != "tc":
             return 0
