@@ -160,9 +160,6 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 
   // ---- A fragments: the lane's column ci = 2 * mw + h (row 16 * (warp % 4) + g + 8h of m64 tile mw) is col0 + ci
   const int col0 = wg * 64 * MW + 16 * MW * (warp & 3) + NC * g;
-  int col[NC];
-#pragma unroll
-  for (int ci = 0; ci < NC; ++ci) col[ci] = col0 + ci;
   const u32 sel = gptq::frag_select(kBits, t);
   gptq::GroupConst fc[NC];
   int group_left = 0;  // chunks left in the group of the constants in fc
@@ -176,11 +173,12 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
         group_left = chunks_per_group - c % chunks_per_group;
 #pragma unroll
         for (int ci = 0; ci < NC; ++ci) {
-          const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[col[ci]];
+          const int col = col0 + ci;
+          const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[col];
           int zc = kSymZero;
           if (qz_e) {
-            const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[col[ci] * kBits / 32];
-            zc = kBits == 4 ? (zw >> (4 * (col[ci] & 7))) & 15u : (zw >> (8 * (col[ci] & 3))) & 255u;
+            const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[col * kBits / 32];
+            zc = kBits == 4 ? (zw >> (4 * (col & 7))) & 15u : (zw >> (8 * (col & 3))) & 255u;
           }
           fc[ci] = gptq::group_const<kBf16>(sb, zc);
         }
