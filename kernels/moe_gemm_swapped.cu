@@ -14,8 +14,8 @@
 // of a row as one piece. (H100, same-run A/B on 9 rows at 32-row blocks: 0.89-0.90 of the time of a lane holding
 // columns g and g + 8 of each tile, whose raw words came in 4-byte loads that used a quarter of each wavefront.)
 // Per 32-k step a ring of NS stages (KT steps each) filled by cp.async holds the activation rows [T][32] (the 64-byte
-// swizzled K-major layout of the tc kernel, now the wgmma B operand), the raw qweight rows [bits][BN], the scales [BN]
-// and the zero words. Each thread turns its columns' words into A fragments (two register sets, so that the next
+// swizzled K-major layout of the tc kernel, now the wgmma B operand), the raw qweight rows [bits][BN], the scales
+// [BN] and the zero words. Each thread turns its columns' words into A fragments (two register sets, so that the next
 // stage is dequantized while the tensor cores still read the current one), and the warpgroup issues MW x 2 m64nTk16
 // ops per step with them.
 // Main loop as in the tc kernel's wgmma path: LOOK = NS - 2 stages in flight, one barrier per stage.
@@ -271,8 +271,8 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
   for (int mw = 0; mw < MW; ++mw) gptq::wg_fence_operands(acc[mw]);
 
-  // ---- epilogue: acc[mw][j][r] = column col0 + 2 mw + (r >> 1), block row 8j + 2t + (r & 1): for each of its rows the
-  // lane holds the outputs of its NC adjacent columns
+  // ---- epilogue: acc[mw][j][r] = column col0 + 2 mw + (r >> 1), block row 8j + 2t + (r & 1): for each of its rows
+  // the lane holds the outputs of its NC adjacent columns
   int pair_of[NJ][2];
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
