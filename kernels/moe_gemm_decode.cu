@@ -368,9 +368,9 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   constexpr bool kCanSwap = BLOCK_M == 16 && !kActOrder;
   // SWC: with the scale folded and the activations in pair order, a stage's sums of one m16 tile are 4 independent
   // mma chains (k16 step i of the stage adds to chain i % 4), added in a fixed order before the scaling, instead of
-  // one chain of 8 dependent mmas. H200, same run: 0.93-1.01 of the time on the 32 down rows at M = 1-16 (median
-  // 0.97). With the activations in natural order (4 PRMT per chunk between the mmas) 2 or 4 chains gained nothing
-  // (H100, gate/up rows at M = 1: median 1.00 with 2 chains).
+  // one chain of 8 dependent mmas. H200, same run, five rounds: 0.93-1.01 of the time on the 32 down rows at M = 1,
+  // 2, 8 and 16 (median 0.97). With the activations in natural order (4 PRMT per chunk between the mmas) 2 or 4
+  // chains gained nothing (H100, gate/up rows at M = 1: median 1.00 with 2 chains).
   constexpr int SWC = kFold && kPairA ? 4 : 1;
   float sw[NG][2][4];
   auto compute_n8 = [&](const uint4 (&xs)[KU], int stage, int c0) {
