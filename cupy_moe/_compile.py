@@ -104,23 +104,33 @@ def get_kernel(filename: str, name_expression: str, arch: str | None = None):
     return _kernel(filename, name_expression, cp.cuda.Device().id, arch)
 
 
-def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> None:
+def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0, cluster_z: int = 1) -> None:
     """Start `kernel` (from get_kernel) on the current stream with `args` (CuPy arrays, np.uintp null pointers,
     np.int32 / np.int64 / np.float32 scalars). On compute capability 9.0 and later the launch carries the
     programmatic-serialization attribute (cuLaunchKernelEx): the kernel may be scheduled while the previous kernel
     of the stream still runs and waits in pdl::wait() (kernels/pdl.cuh) before touching memory, which saves the
-    launch gap between back-to-back kernels. Every kernel of kernels/ calls it. CUPY_MOE_PDL=0: a plain launch."""
+    launch gap between back-to-back kernels. Every kernel of kernels/ calls it. CUPY_MOE_PDL=0: a plain launch.
+    cluster_z > 1 (compute capability 9.0 and later, `clusters_available()`): the CTAs that differ only in
+    blockIdx.z form one thread-block cluster of cluster_z CTAs (cluster dims 1 x 1 x cluster_z)."""
     from ._xp import cupy as cp
     dev = cp.cuda.Device().id
-    launch_ex = _launch_ex(dev) if os.environ.get("CUPY_MOE_PDL", "1") != "0" else None
-    if launch_ex is None:
+    launch_ex = _launch_ex(dev)
+    if cluster_z > 1 and launch_ex is None:
+        raise RuntimeError(f"launch({getattr(kernel, 'name', kernel)}): clusters need compute capability 9.0")
+    attrs = []
+    if os.environ.get("CUPY_MOE_PDL", "1") != "0":
+        attrs.append(_LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=(1,)))
+    if cluster_z > 1:
+        attrs.append(_LaunchAttribute(id=_ATTR_CLUSTER_DIMENSION, value=(1, 1, int(cluster_z))))
+    if launch_ex is None or not attrs:
         kernel(grid, block, args, shared_mem=shared_mem)
         return
     values = [_c_arg(i, x) for i, x in enumerate(args)]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = _LaunchAttribute(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    attr_array = (_LaunchAttribute * len(attrs))(*attrs)
     dims = [int(d) for d in (*grid, 1, 1)[:3]] + [int(d) for d in (*block, 1, 1)[:3]]
-    config = _LaunchConfig(*dims, int(shared_mem), cp.cuda.get_current_stream().ptr, ctypes.pointer(attr), 1)
+    config = _LaunchConfig(*dims, int(shared_mem), cp.cuda.get_current_stream().ptr,
+                           ctypes.cast(attr_array, ctypes.POINTER(_LaunchAttribute)), len(attrs))
     function = kernel.kernel if hasattr(kernel, "kernel") else kernel  # RawKernel -> cupy.cuda.Function
     status = launch_ex(ctypes.byref(config), ctypes.c_void_p(function.ptr), params, None)
     if status != 0:
@@ -128,7 +138,7 @@ def launch(kernel, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) 
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes padding, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
 
 class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
@@ -138,7 +148,15 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
                 ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
+_ATTR_CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION: value {x, y, z}
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def clusters_available() -> bool:
+    """Whether launch() can make thread-block clusters on the current device (compute capability 9.0 and later,
+    through cuLaunchKernelEx)."""
+    from ._xp import cupy as cp
+    return _launch_ex(cp.cuda.Device().id) is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,6 +81,14 @@ def _scratch(config, k, n, capacity):
     return split * capacity * n, capacity // config.block_m * n_tiles
 
 
+def _cluster_size(config, split: int) -> int:
+    """The thread-block cluster size of a launch: 2 where its 2 split-K slices form one cluster and add their partial
+    tiles through distributed shared memory (kernels/split_k.cuh), skipping the workspace; else 1. Only the decode
+    kernel's 16-row blocks do, with exactly 2 slices: clusters of 3 to 8 leave CTA slots empty (docs/heuristic.md)."""
+    usable = config.kind == "reg" and config.block_m == 16 and split == 2
+    return 2 if usable and _compile.clusters_available() else 1
+
+
 class SplitKWorkspace:
     """The scratch of split-K launches on one device: fp32 partial tiles and int32 tickets (zero between launches:
     each tile's last CTA resets its ticket). Made once for the launches it serves and passed as
@@ -313,5 +321,5 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     _compile.launch(kern, (blocks.size, n_tiles, split), (config.threads,),
                     (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), opt(sorted_ids), blocks, opt(post),
                      out, opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k),
-                     i32(p), i32(capacity), i32(split), i32(cps), i32(e)), smem)
+                     i32(p), i32(capacity), i32(split), i32(cps), i32(e)), smem, _cluster_size(config, split))
     return out

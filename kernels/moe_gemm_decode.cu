@@ -129,7 +129,10 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // least 2, so loads overlap compute) keep the bytes in flight.
   constexpr int NST = kBits == 8 ? ((STAGES + 1) / 2 > 2 ? (STAGES + 1) / 2 : 2) : STAGES;
   static_assert(NST >= 2, "ring depth");
-  __shared__ uint4 ring[NST * WORDS * THREADS];
+  // With 16-row blocks it also holds the partial tile of a cluster split-K ([16][BLOCK_N] fp32) after the loop.
+  constexpr bool kClusterK = BLOCK_M == 16;
+  constexpr int RING_U4 = NST * WORDS * THREADS, TILE_U4 = kClusterK ? BLOCK_M * BLOCK_N / 4 : 0;
+  __shared__ uint4 ring[RING_U4 > TILE_U4 ? RING_U4 : TILE_U4];
   // A warp's copy instruction covers four 128-byte row runs (one per t). Lane l copies piece l: row l / 8, the
   // 16 bytes that reader (g, t) = ((l % 8 - 2 * (l / 8)) % 8, l / 8) needs, so each quarter-warp reads one whole run
   // and the warp writes 512 contiguous bytes; the reader finds its piece at 8t + (g + 2t) % 8 (the 8 lanes of a
@@ -545,6 +548,47 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
           store(p, n0[ng] + 8 * t, v);
         }
       }
+    return;
+  }
+
+  // split-K inside a cluster (split_k.cuh; the launcher makes the tile's slices one cluster where it can): each CTA
+  // leaves its partial tile [BLOCK_M][BLOCK_N] fp32 in its ring, then the slices' CTAs take the tile's 8-column
+  // pieces in turn and sum each over the slices in slice order.
+  if (kClusterK && splitk::cluster_size() == split_k) {
+    constexpr int PIECES = BLOCK_N / 8;  // 8-column pieces per tile row (32 bytes of fp32)
+    float4* tile = reinterpret_cast<float4*>(ring);
+    __syncthreads();  // every warp is done with the ring (and with the WK reduction, which used it)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (pair_of[mt][h] < 0 || !owner) continue;
+        const int r = (wm * MT + mt) * 16 + g + 8 * h;
+#pragma unroll
+        for (int ng = 0; ng < NG; ++ng) {
+          float v[8];
+          row_values(mt, h, ng, v);
+          float4* dst = tile + 2 * (r * PIECES + (wn * NG + ng) * 4 + t);
+          dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+          dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+        }
+      }
+    splitk::cluster_sync();
+    const unsigned tile_at = gptq::smem_u32(tile);
+    for (int u = blockIdx.z * THREADS + threadIdx.x; u < BLOCK_M * PIECES; u += split_k * THREADS) {
+      const int r = u / PIECES, col = blockIdx.y * BLOCK_N + 8 * (u % PIECES);
+      const int p = pair_at(blk * BLOCK_M + r);
+      if (p < 0 || p >= num_pairs || col >= N) continue;  // rows the writers skipped are never read
+      float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int s = 0; s < split_k; ++s) {  // fixed order: bitwise the workspace path's sums
+        const float4 lo = splitk::ld_cluster16(tile_at + 32u * u, s);
+        const float4 hi = splitk::ld_cluster16(tile_at + 32u * u + 16u, s);
+        v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+        v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+      }
+      store(p, col, v);
+    }
+    splitk::cluster_sync();  // no CTA exits while another still reads its tile
     return;
   }
 

@@ -7,6 +7,7 @@
 // Each kernel walks its own fragments (its accumulator layout); the workspace layout, the ticket protocol and the
 // fixed-order sum are the functions below. A fragment is the tensor-core accumulator pair: 2 consecutive columns of
 // one slot. moe_gemm (8-column rows) uses the ticket protocol only and keeps its own workspace writes and reads.
+// Its 16-row blocks can also reduce inside a thread-block cluster (the second half of this file).
 #pragma once
 
 namespace splitk {
@@ -54,6 +55,43 @@ __device__ __forceinline__ void sum_slices(const float* partials, int split_k, i
   }
   v[0] = v0;
   v[1] = v1;
+}
+
+// ---- Split-K inside a thread-block cluster (sm_90 and later): when the launch makes the split_k slices of a tile
+// one cluster (cluster dims 1 x 1 x split_k, so the slice blockIdx.z is the CTA's rank in it), each CTA leaves its
+// partial tile in its own shared memory and the CTAs of the cluster read each other's tiles (distributed shared
+// memory) instead of the workspace round trip: no fence to global memory, no ticket, no last CTA that reads
+// everything. The sums are still taken in slice order s = 0 .. S-1, so the result is bitwise that of the workspace.
+
+// The number of CTAs in this CTA's cluster (1 when launched without clusters, and below sm_90).
+__device__ __forceinline__ int cluster_size() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned n;
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+  return static_cast<int>(n);
+#else
+  return 1;
+#endif
+}
+
+// Every thread of every CTA of the cluster: this thread's earlier shared-memory writes are visible to the cluster's
+// reads after it (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// 16 bytes at shared address `addr` of this CTA's layout, read from the CTA of cluster rank `rank`.
+__device__ __forceinline__ float4 ld_cluster16(unsigned addr, int rank) {
+  float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(remote) : "memory");
+#endif
+  return v;
 }
 
 }  // namespace splitk

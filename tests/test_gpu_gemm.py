@@ -216,6 +216,41 @@ def test_gemm_deterministic():
         fused_moe_gemm(x, w, s, eids, post, a, config=other)
 
 
+@pytest.mark.parametrize("bits,act_order,dtype_name,one_pair", [(4, False, "float16", False), (4, False, "float16", True),
+                                                                (8, False, "bfloat16", False), (4, True, "float16", False),
+                                                                (4, False, "bfloat16", True)])
+def test_gemm_split_in_cluster(bits, act_order, dtype_name, one_pair, monkeypatch):
+    """2 split-K slices of 16-row blocks add their partial tiles inside a thread-block cluster where the GPU has
+    clusters (split_k.cuh): bitwise the same as through the workspace (the cluster turned off), and the reference's
+    product, in pair order too, with padding rows, one pair per block and a partial last column tile (N = 160)."""
+    from cupy_moe import gemm
+    rng = np.random.default_rng(bits + 2 * act_order)
+    dt = _dtype(dtype_name)
+    e, m, a, k, n = 5, 1 if one_pair else 6, 3, 2048, 160  # 160 columns: the second 128-column tile is partial
+    w_host = make_weight(rng, e, k, n, bits, 128, False, act_order)
+    w = w_host.to_device()
+    x = rng.standard_normal((m, k)).astype(np.float32).astype(dt)
+    ids = route(rng, m, e, a, "uniform")
+    lists = ((None, cp.asarray(ids), None) if one_pair
+             else moe_align_block_size(cp.asarray(ids), 16, e))
+    cfg = replace(configs.DECODE, split_k=2)
+    if int(cp.cuda.Device().compute_capability) >= 90:
+        assert gemm._cluster_size(cfg, 2) == 2
+    tw = cp.asarray(rng.uniform(0.1, 1.0, size=(m, a)).astype(np.float32))
+    pairs = (False, True) if bits == 4 and not act_order else (False,)
+    for pair in pairs:
+        xd = cp.asarray(reference.to_pair_order(x) if pair else x)
+        got = fused_moe_gemm(xd, w, *lists, a, tw, config=cfg, a_pair_order=pair)
+        with monkeypatch.context() as mp:
+            mp.setattr(gemm, "_cluster_size", lambda config, split: 1)
+            want = fused_moe_gemm(xd, w, *lists, a, tw, config=cfg, a_pair_order=pair)
+        assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
+        host_lists = [None if v is None else cp.asnumpy(v) for v in lists]
+        ref = reference.fused_moe_gemm(x.astype(np.float32), w_host, *host_lists, a, cp.asnumpy(tw))
+        got = cp.asnumpy(got).astype(np.float64)
+        assert np.linalg.norm(got - ref) / np.linalg.norm(ref) <= REL_L2[dtype_name]
+
+
 def test_graph_capture_align_and_gemm():
     rng = np.random.default_rng(2)
     e, m, a, k, n = 16, 5, 4, 512, 128

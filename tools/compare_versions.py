@@ -2,26 +2,26 @@
 version's time, so that a refactor can be shown to keep results bitwise and speed within noise.
 
     python tools/compare_versions.py OTHER_CHECKOUT [--models ...] [--m 1,16,64,256,1024,4096] [--rows gemm,layer]
-                                     [--rounds R] [--reps N] [--json FILE]
+                                     [--rounds R] [--reps N] [--bits 4|8] [--dtype float16|bfloat16] [--json FILE]
 
 OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
 package is imported as a second module next to this checkout's `cupy_moe`. Rows are (model, phase, M) as in
-benchmarks/bench_gemm.py, on random 4-bit weights (G = 128, real zero points) and fp16 activations, with the routing
-of each version's own choice (M = 1: one pair per block, as fused_moe runs it; down on 16-row blocks: pair-ordered
-activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M. `--rows` picks
-which: `gemm` and `layer` by default; `moe_layer` adds, for the models with shared experts and at every M, a whole
-`MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert gated), whose router and shared weights come
-in 4 copies used in turn so that they are not read from L2. Both versions see the same inputs; each runs only its
-public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`, `MoELayer`), so
-any two versions since the tile choice took its present signature can be compared. Times are graph replays
-(cupy_moe.timing), the two versions interleaved row by row; with --rounds R each version is timed R times per row in
-alternating order and the median counts. Exit status 1 when a checksum differs. The same checkout on both sides tests
-the method, and rows of milliseconds need it (H100, two to four rounds): there the same code timed up to 10% apart
-(Mixtral-8x22B down M = 4096, 3396 against 3756 us), and DeepSeek-V3 gate/up at M = 1024 (16-row blocks, 3 ms a call)
-timed 5-9% faster as "this" in all five runs with the default 10 replays per timing, whichever checkout took which
-side, and within 1.5% in both runs with --reps 30. A version's own tuned tables (cupy_moe/configs/tuned/, the user's
-cache) steer its choices: to compare two versions on the same configurations where only one ships a table for this
-GPU, move that table aside for the run.
+benchmarks/bench_gemm.py, on random weights (4-bit unless --bits 8; G = 128, real zero points) and fp16 activations
+(--dtype bfloat16: bf16), with the routing of each version's own choice (M = 1: one pair per block, as fused_moe runs
+it; 4-bit down on 16-row blocks: pair-ordered activations), and whole-layer rows (`fused_moe`, its own choices, timed
+the same way) at a few M. `--rows` picks which: `gemm` and `layer` by default; `moe_layer` adds, for the models with
+shared experts and at every M, a whole `MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert
+gated), whose router and shared weights come in 4 copies used in turn so that they are not read from L2. Both versions
+see the same inputs; each runs only its public API (`choose_config` for the block size, `moe_align_block_size`,
+`fused_moe_gemm`, `fused_moe`, `MoELayer`), so any two versions since the tile choice took its present signature can
+be compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R each
+version is timed R times per row in alternating order and the median counts. Exit status 1 when a checksum differs.
+The same checkout on both sides tests the method, and rows of milliseconds need it (H100, two to four rounds): there
+the same code timed up to 10% apart (Mixtral-8x22B down M = 4096, 3396 against 3756 us), and DeepSeek-V3 gate/up at M
+= 1024 (16-row blocks, 3 ms a call) timed 5-9% faster as "this" in all five runs with the default 10 replays per
+timing, whichever checkout took which side, and within 1.5% in both runs with --reps 30. A version's own tuned tables
+(cupy_moe/configs/tuned/, the user's cache) steer its choices: to compare two versions on the same configurations
+where only one ships a table for this GPU, move that table aside for the run.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from cupy_moe.timing import graph_time
 # 8 routings per row, as the benchmark: with 4, a small-expert decode row touches about the L2's size in weights
 # (Qwen1.5-MoE-A2.7B gate/up at M = 1: 16 experts, 46 MB), and whether they stay in L2 between replays flipped
 # between the two versions of one run (7.6 against 9.0 us, the same kernel)
-G, BITS, ROTATIONS = 128, 4, 8
+G, ROTATIONS = 128, 8
 LAYER_MS = (1, 8, 64, 256)
 
 
@@ -72,14 +72,14 @@ def digest(cp, x) -> str:
 def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n):
     """(label of the configuration, one zero-argument call per input set, their outputs) for one version."""
     rows, top_k = (m, a) if phase == "gate_up" else (m * a, 1)
-    cfg = pkg.configs.choose_config(rows, e, top_k, k, n, BITS, G)
-    pair = phase == "down" and pkg.configs.down_pair_order(BITS, cfg.block_m)
+    cfg = pkg.configs.choose_config(rows, e, top_k, k, n, weight.bits, G)
+    pair = phase == "down" and pkg.configs.down_pair_order(weight.bits, cfg.block_m)
     calls, outs = [], []
     for ids, tw, x, act in sets:
         src, pair_ids, weights = (x, ids, None) if phase == "gate_up" else (act, ids.reshape(-1, 1), tw)
         aligned = ((None, cp.ascontiguousarray(pair_ids), None) if m == 1
                    else pkg.moe_align_block_size(pair_ids, cfg.block_m, e))
-        out = cp.zeros((m * a, n), cp.float16)
+        out = cp.zeros((m * a, n), src.dtype)
         calls.append(lambda src=src, al=aligned, w=weights, o=out: pkg.fused_moe_gemm(
             src, weight, *al, top_k, topk_weights=w, out=o, a_pair_order=pair))
         outs.append(out)
@@ -109,9 +109,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="timings per version and row, the order of the two versions alternating; the row's time "
                          "is each version's median (drift and the order of the two cancel)")
+    ap.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits (default 4)")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
+                    help="activations and outputs (bfloat16 needs ml_dtypes)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     import cupy as cp
+    dtype = np.float16
+    if args.dtype == "bfloat16":
+        import ml_dtypes
+        dtype = ml_dtypes.bfloat16
     versions = {"this": cupy_moe, "other": import_other(args.other.resolve())}
     kinds = set(args.rows.split(","))
     if not kinds <= {"gemm", "layer", "moe_layer"}:
@@ -122,7 +129,7 @@ def main(argv=None) -> int:
     for model in (get_model(name) for name in args.models.split(",")):
         h, inter, e, a = model.hidden, model.intermediate, model.num_experts, model.top_k
         phases = model.phases()
-        drawn = {ph: cupy_moe.StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=seed)
+        drawn = {ph: cupy_moe.StackedGptqWeight.random(e, k, n, bits=args.bits, group_size=G, seed=seed)
                  for seed, (ph, (k, n, _)) in enumerate(phases.items(), 1)}
         weights = {ph: {v: same_weight(pkg, w) for v, pkg in versions.items()} for ph, w in drawn.items()}
         copies = []
@@ -131,15 +138,15 @@ def main(argv=None) -> int:
             copies = [dict(router=(0.05 * rs.standard_normal((e, h))).astype(cp.float32),
                            gate=(0.05 * rs.standard_normal((1, h))).astype(cp.float32)
                            if model.family == "qwen2_moe" else None,
-                           gate_up=draw(1, h, 2 * s_i, bits=BITS, group_size=G, seed=10 + c),
-                           down=draw(1, s_i, h, bits=BITS, group_size=G, seed=20 + c))
+                           gate_up=draw(1, h, 2 * s_i, bits=args.bits, group_size=G, seed=10 + c),
+                           down=draw(1, s_i, h, bits=args.bits, group_size=G, seed=20 + c))
                       for c in range(4)]
         for m in (int(v) for v in args.m.split(",")):
             rng = np.random.default_rng(7 * m + len(model.name))
             sets = [(cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)),
                      cp.asarray(rng.random((m, a)).astype(np.float32)),
-                     cp.asarray(rng.standard_normal((m, h)).astype(np.float16)),
-                     cp.asarray((0.5 * rng.standard_normal((m * a, inter))).astype(np.float16)))
+                     cp.asarray(rng.standard_normal((m, h)).astype(dtype)),
+                     cp.asarray((0.5 * rng.standard_normal((m * a, inter))).astype(dtype)))
                     for _ in range(ROTATIONS)]
             for phase, (k, n, _) in phases.items() if "gemm" in kinds else ():
                 row, timed = dict(model=model.name, phase=phase, m=m), {}
