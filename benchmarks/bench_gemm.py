@@ -31,7 +31,6 @@ import argparse
 import datetime
 import hashlib
 import json
-import math
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -48,7 +47,7 @@ from cupy_moe.align import moe_align_block_size
 from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import BENCHMARK_MODELS, get_model
 from cupy_moe.timing import (ROOFLINE_TARGET_M, copy_bandwidth, event_time as timed, graph_time, matmul_rate,
-                             regime_summary, roofline_target)
+                             regime_summary, roofline_target, weight_copies)
 from cupy_moe.weights import StackedGptqWeight
 
 G = 128
@@ -88,7 +87,7 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
     k, n, top_k, rows, w_bytes_expert = phase_shape(model, phase, m)
     p = rows * top_k
     rng = np.random.default_rng(m * 7 + len(model))
-    copies = max(1, min(4, math.ceil(512 * 2**20 / (w_bytes_expert * e))))
+    copies = weight_copies(w_bytes_expert * e)
     weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
     gpu = gpu or configs.gpu_info()
     block_m = 16 if m == 1 else None  # fused_moe's M = 1 path: one pair per block

@@ -12,8 +12,8 @@ import numpy as np
 
 from ._xp import require_gpu
 
-__all__ = ["event_time", "graph_time", "copy_bandwidth", "matmul_rate", "layer_target", "roofline_target",
-           "regime_summary", "ROOFLINE_TARGET_M", "REGIMES"]
+__all__ = ["event_time", "graph_time", "weight_copies", "copy_bandwidth", "matmul_rate", "layer_target",
+           "roofline_target", "regime_summary", "ROOFLINE_TARGET_M", "REGIMES"]
 
 # The token counts M at which the GEMM phases are judged against roofline_target (every model, both phases).
 ROOFLINE_TARGET_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
@@ -35,6 +35,15 @@ def event_time(fn: Callable[[int], object], reps: int = 20, warmup: int = 3, str
         stops[i].record(stream)
     stops[-1].synchronize()
     return float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in zip(starts, stops)])) * 1e-3
+
+
+def weight_copies(nbytes: int) -> int:
+    """How many copies of a weight of `nbytes` bytes a timing rotates through, one per call in turn, so that no
+    call finds its weights in L2 (50 MiB on an H100 or H200) from the calls before it: enough for 512 MiB, at most
+    4. Rotating routings alone is not enough where a few routings touch about the L2's size in all: a
+    small-expert M = 1 row timed over 4 routings of one copy ran from L2 and its fastest configuration was not
+    the fastest from memory."""
+    return max(1, min(4, -(-512 * 2**20 // max(1, int(nbytes)))))
 
 
 def graph_time(calls: Sequence[Callable[[], object]], reps: int = 10, warmup: int = 2, stream=None) -> float:

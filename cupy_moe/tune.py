@@ -2,14 +2,15 @@
 
 For each model shape (`cupy_moe.models`), phase and token count M, every supported block_m is timed at the split-K
 factors of SPLITS that its shape allows and at the rules' own split, on random weights: `cupy_moe.timing.graph_time`
-over calls on different routings (so Python's launch overhead and L2 residency stay out). Each candidate is the configuration `choose_config` makes of a
-(block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the winners go into this GPU's tuned table in the
-user's cache (`configs.tuned`), which `choose_config` reads from then on; they are saved after each model phase,
-so a run stopped part of the way keeps what it measured. Only the speed changes: every
-configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed order), though two
-configurations may round differently. So that a fast wrong answer is never kept, each candidate's result on one
-routing is compared with the heuristic configuration's: one that differs by more than AGREE (relative L2) is
-logged as rejected and not kept.
+over calls on ROTATIONS routings and, where the weights are small, on up to 4 copies of them in turn
+(`timing.weight_copies`), so that Python's launch overhead and L2 residency stay out. Each candidate is the
+configuration `choose_config` makes of a (block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the
+winners go into this GPU's tuned table in the user's cache (`configs.tuned`), which `choose_config` reads from then
+on; they are saved after each model phase, so a run stopped part of the way keeps what it measured. Only the speed
+changes: every configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed
+order), though two configurations may round differently. So that a fast wrong answer is never kept, each candidate's
+result on one routing is compared with the heuristic configuration's: one that differs by more than AGREE (relative
+L2) is logged as rejected and not kept.
 """
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
 from .models import BENCHMARK_MODELS, get_model
 from .reference import to_pair_order
-from .timing import graph_time
+from .timing import graph_time, weight_copies
 from .weights import StackedGptqWeight
 
 __all__ = ["tune"]
 
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
-ROTATIONS = 4
+ROTATIONS = 8  # routings per timing, each call on the next (and on the next weight copy: timing.weight_copies)
 # two configurations differ only in where split-K partial sums meet, in float32 before the one rounding: far
 # below this relative L2 distance, which a kernel that skips or garbles rows exceeds
 AGREE = 1e-2
@@ -64,7 +65,9 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
     for shape in shapes:
         e, a = shape.num_experts, shape.top_k
         for phase, (k, n, top_k) in shape.phases().items():
-            weight = StackedGptqWeight.random(e, k, n, bits=bits, group_size=group_size, seed=len(found))
+            draw = lambda c: StackedGptqWeight.random(e, k, n, bits=bits, group_size=group_size, seed=len(found) + c)
+            weight = draw(0)
+            weights = [weight] + [draw(c) for c in range(1, weight_copies(weight.nbytes))]
             phase_found = {}
             for m in ms:
                 rows = m if phase == "gate_up" else m * a
@@ -103,9 +106,9 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 timings, rejected = {}, []
                 for cfg, (block_m, split, _, pair) in runs.items():
                     aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
-                    calls = [lambda al=al, cfg=cfg, pair=pair: fused_moe_gemm(xs[pair], weight, *al, top_k, out=out,
-                                                                              a_pair_order=pair, config=cfg)
-                             for al in aligned]
+                    calls = [lambda al=al, w=weights[i % len(weights)], cfg=cfg, pair=pair: fused_moe_gemm(
+                        xs[pair], w, *al, top_k, out=out, a_pair_order=pair, config=cfg)
+                             for i, al in enumerate(aligned)]
                     seconds = graph_time(calls, reps=reps)
                     error = float(cp.linalg.norm(result(cfg, pair) - expected)) / scale
                     if error <= AGREE:  # NaN is not

@@ -34,3 +34,8 @@ def test_regime_summary_groups_rows_by_the_targets_regimes():
                      "M > 512: 2 rows, roofline 0.40 / 0.40 / 0.40 (min / geometric mean / max), 1 meet the target"]
     assert regime_summary([dict(m=256, roofline_ratio=0.25)]) == [
         "64 < M <= 512: 1 rows, roofline 0.25 / 0.25 / 0.25 (min / geometric mean / max)"]
+
+
+def test_weight_copies_cover_512_mib_up_to_4():
+    from cupy_moe.timing import weight_copies
+    assert [weight_copies(mib << 20) for mib in (1024, 512, 200, 100, 1)] == [1, 1, 3, 4, 4]

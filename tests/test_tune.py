@@ -23,7 +23,8 @@ def fake(tmp_path, monkeypatch):
                                linalg=np.linalg, get_default_memory_pool=lambda: pool)
     monkeypatch.setattr(tune_mod, "require_gpu", lambda what: cp)
     monkeypatch.setattr(configs, "gpu_info", lambda: GPU)
-    monkeypatch.setattr(tune_mod, "StackedGptqWeight", types.SimpleNamespace(random=lambda *a, **kw: None))
+    big = types.SimpleNamespace(nbytes=1 << 30)  # one copy (timing.weight_copies)
+    monkeypatch.setattr(tune_mod, "StackedGptqWeight", types.SimpleNamespace(random=lambda *a, **kw: big))
     monkeypatch.setattr(tune_mod, "moe_align_block_size", lambda ids, block_m, e: (None, None, None))
 
     def gemm(x, w, s, eid, post, top_k, **kw):
