@@ -216,9 +216,9 @@ def test_gemm_deterministic():
         fused_moe_gemm(x, w, s, eids, post, a, config=other)
 
 
-@pytest.mark.parametrize("bits,act_order,dtype_name,one_pair", [(4, False, "float16", False), (4, False, "float16", True),
-                                                                (8, False, "bfloat16", False), (4, True, "float16", False),
-                                                                (4, False, "bfloat16", True)])
+@pytest.mark.parametrize("bits,act_order,dtype_name,one_pair", [
+    (4, False, "float16", False), (4, False, "float16", True), (8, False, "bfloat16", False),
+    (4, True, "float16", False), (4, False, "bfloat16", True)])
 def test_gemm_split_in_cluster(bits, act_order, dtype_name, one_pair, monkeypatch):
     """2 split-K slices of 16-row blocks add their partial tiles inside a thread-block cluster where the GPU has
     clusters (split_k.cuh): bitwise the same as through the workspace (the cluster turned off), and the reference's
@@ -231,8 +231,7 @@ def test_gemm_split_in_cluster(bits, act_order, dtype_name, one_pair, monkeypatc
     w = w_host.to_device()
     x = rng.standard_normal((m, k)).astype(np.float32).astype(dt)
     ids = route(rng, m, e, a, "uniform")
-    lists = ((None, cp.asarray(ids), None) if one_pair
-             else moe_align_block_size(cp.asarray(ids), 16, e))
+    lists = (None, cp.asarray(ids), None) if one_pair else moe_align_block_size(cp.asarray(ids), 16, e)
     cfg = replace(configs.DECODE, split_k=2)
     if int(cp.cuda.Device().compute_capability) >= 90:
         assert gemm._cluster_size(cfg, 2) == 2
