@@ -74,9 +74,9 @@ def _geometry(config, k, n):
 def _scratch(config, k, n, capacity):
     """(partials, tickets) one launch of `config` on K x N needs for a pair list of `capacity` rows (aligned, or 16 per
     pair with one pair per block): fp32 partials of every slice and an int32 ticket per (block, column tile); (0, 0)
-    without split-K."""
+    without split-K, and where the slices reduce inside a cluster (`_cluster_size`), which never touches them."""
     n_tiles, split, _ = _geometry(config, k, n)
-    if split == 1:
+    if split == 1 or _cluster_size(config, split) > 1:
         return 0, 0
     return split * capacity * n, capacity // config.block_m * n_tiles
 
@@ -106,7 +106,7 @@ class SplitKWorkspace:
     def size(config, k: int, n: int, pairs: int, num_experts: int, one_pair: bool = False) -> tuple[int, int]:
         """(partials, tickets) that one launch of `config` (a GemmConfig) on K x N needs for P = `pairs` pairs
         aligned by moe_align_block_size over `num_experts` experts, or one pair per block (`one_pair`); (0, 0)
-        without split-K."""
+        without split-K or where its 2 slices add their tiles inside a thread-block cluster (on this device)."""
         if pairs == 0:
             return 0, 0
         return _scratch(config, k, n, 16 * pairs if one_pair else align_capacity(pairs, config.block_m, num_experts))
@@ -293,7 +293,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         n_tiles, split, cps = _geometry(config, k, n)
         need = _scratch(config, k, n, capacity)
         partials = tickets = None
-        if split > 1 and workspace is not None:
+        if need[0] and workspace is not None:
             partials, tickets = workspace.partials, workspace.tickets
             if partials.size < need[0] or tickets.size < need[1]:
                 _fail("workspace", f"at least {need[0]} partials and {need[1]} tickets "
@@ -304,7 +304,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         out = cp.zeros((p, n), a.dtype)
     if block_m is None or p == 0 or n == 0:
         return out
-    if split > 1 and workspace is None:
+    if need[0] and workspace is None:
         partials, tickets = _workspace(cp, *need)
     name = config.name_expression(bf16, bits, act_order, group_len, gpu.hopper, k, pair_a)
     smem = config.smem_bytes(bits, gpu.hopper)

@@ -7,7 +7,7 @@ from hypothesis import given, strategies as st
 
 from cupy_moe import configs, reference
 from cupy_moe.align import moe_align_block_size
-from cupy_moe.gemm import fused_moe_gemm
+from cupy_moe.gemm import SplitKWorkspace, fused_moe_gemm
 from cupy_moe.weights import StackedGptqWeight
 
 from random_weights import make_weight
@@ -195,7 +195,6 @@ def test_gemm_deterministic_prefill():
 def test_gemm_deterministic():
     """Split-K results are bitwise the same on every call, with the cached workspace or a SplitKWorkspace sized by
     SplitKWorkspace.size; a smaller workspace and a plan of another block size are refused before the launch."""
-    from cupy_moe.gemm import SplitKWorkspace
     rng = np.random.default_rng(1)
     e, m, a, k, n = 4, 9, 2, 2048, 256  # few experts, long K: split-K active
     w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
@@ -221,8 +220,9 @@ def test_gemm_deterministic():
     (4, True, "float16", False), (4, False, "bfloat16", True)])
 def test_gemm_split_in_cluster(bits, act_order, dtype_name, one_pair, monkeypatch):
     """2 split-K slices of 16-row blocks add their partial tiles inside a thread-block cluster where the GPU has
-    clusters (split_k.cuh): bitwise the same as through the workspace (the cluster turned off), and the reference's
-    product, in pair order too, with padding rows, one pair per block and a partial last column tile (N = 160)."""
+    clusters (split_k.cuh), with no workspace: bitwise the same as through one (the cluster turned off), and the
+    reference's product, in pair order too, with padding rows, one pair per block and a partial last column tile
+    (N = 160)."""
     from cupy_moe import gemm
     rng = np.random.default_rng(bits + 2 * act_order)
     dt = _dtype(dtype_name)
@@ -233,13 +233,16 @@ def test_gemm_split_in_cluster(bits, act_order, dtype_name, one_pair, monkeypatc
     ids = route(rng, m, e, a, "uniform")
     lists = (None, cp.asarray(ids), None) if one_pair else moe_align_block_size(cp.asarray(ids), 16, e)
     cfg = replace(configs.DECODE, split_k=2)
+    size = SplitKWorkspace.size(cfg, k, n, m * a, e, one_pair=one_pair)
     if int(cp.cuda.Device().compute_capability) >= 90:
         assert gemm._cluster_size(cfg, 2) == 2
+        assert size == (0, 0)  # the cluster never touches a workspace, so the launch asks for none
+    ws = SplitKWorkspace.for_launches([size])
     tw = cp.asarray(rng.uniform(0.1, 1.0, size=(m, a)).astype(np.float32))
     pairs = (False, True) if bits == 4 and not act_order else (False,)
     for pair in pairs:
         xd = cp.asarray(reference.to_pair_order(x) if pair else x)
-        got = fused_moe_gemm(xd, w, *lists, a, tw, config=cfg, a_pair_order=pair)
+        got = fused_moe_gemm(xd, w, *lists, a, tw, config=cfg, a_pair_order=pair, workspace=ws)
         with monkeypatch.context() as mp:
             mp.setattr(gemm, "_cluster_size", lambda config, split: 1)
             want = fused_moe_gemm(xd, w, *lists, a, tw, config=cfg, a_pair_order=pair)
