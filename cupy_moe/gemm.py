@@ -321,6 +321,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     _compile.launch(kern, (blocks.size, n_tiles, split), (config.threads,),
                     (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), opt(sorted_ids), blocks, opt(post),
                      out, opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k),
-                     i32(p), i32(capacity), i32(split), i32(cps), i32(e)), smem,
+                     i32(p), i32(capacity), i32(split), i32(cps), i32(e))
+                    + ((i32(configs.TC_COLUMN_BAND),) if config.kind == "tc" else ()), smem,
                     cluster_z=_cluster_size(config, split))
     return out

@@ -51,7 +51,8 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             float* __restrict__ partials,                // [S, C, N] when split_k > 1
             int* __restrict__ tickets,                   // [C / BM, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
-            int split_k, int chunks_per_split, int num_experts) {
+            int split_k, int chunks_per_split, int num_experts,
+            int n_band) {  // tile order: bands of n_band column tiles (configs.TC_COLUMN_BAND)
   using L = TcSmem<BM, BN, kBits, NS, KT, kWg>;
   constexpr int THREADS = 256;
   // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128: 64 x BN each) or columns
@@ -68,7 +69,18 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     smem += gptq::kept((L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1));
   }
 
-  const int blk = blockIdx.x;
+  // Launch order (blockIdx.x fastest) -> tile: consecutive CTAs take n_band column tiles of one row block, then the
+  // next row block's, so that the CTAs resident at one time share their activation rows and weight tiles in L2 (with
+  // row blocks fastest every column tile reads all the activation rows again). A bijection of (blockIdx.x,
+  // blockIdx.y), so split-K's tickets, indexed by blockIdx, still count one tile's slices.
+  int blk = blockIdx.x, n_tile = blockIdx.y;
+  if (n_band > 1) {
+    const int rows = gridDim.x, launch = blockIdx.x + rows * blockIdx.y, band = launch / (n_band * rows);
+    const int width = min(n_band, static_cast<int>(gridDim.y) - band * n_band);
+    const int within = launch - band * n_band * rows;
+    blk = within / width;
+    n_tile = band * n_band + within % width;
+  }
   pdl::enter();  // before the first global access (pdl.cuh)
   const int padded = __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);  // loaded together with the padded total (see moe_gemm)
@@ -78,7 +90,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = kWg ? warp % WM : warp / WN, wn = kWg ? warp / WM : warp % WN;
   const int g = lane >> 2, t = lane & 3;
-  const int n_base = blockIdx.y * BN;
+  const int n_base = n_tile * BN;
   const long long rows_q = static_cast<long long>(K) * kBits / 32;
   const int* qw_e = qweight + expert * rows_q * N;
   const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;

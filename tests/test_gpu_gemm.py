@@ -177,6 +177,26 @@ def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype
                  shape=None if act_order else cfg)
 
 
+@pytest.mark.parametrize("shape,split", [(configs.PREFILL_128, 1), (configs.PREFILL_128, 2), (configs.PREFILL, 1)])
+def test_gemm_prefill_tile_order(shape, split, monkeypatch):
+    """The tc kernel's tile order (bands of column tiles) changes which CTA takes which tile, never a result: bands
+    of 2 (the last one narrower), of 16 (all 5 column tiles in one band) and of 1 give the same bits, split-K
+    included."""
+    rng = np.random.default_rng(9)
+    e, m, a, k, n = 5, 300, 2, 1024, 1280
+    w = make_weight(rng, e, k, n, 4, 128, False, False).to_device()
+    x = cp.asarray(rng.standard_normal((m, k)).astype(np.float16))
+    ids = cp.asarray(route(rng, m, e, a, "uniform"))
+    tw = cp.asarray(rng.uniform(0.1, 1.0, size=(m, a)).astype(np.float32))
+    cfg = configs.fallback(replace(shape, split_k=split), act_order=False, hopper=configs.gpu_info().hopper)
+    lists = moe_align_block_size(ids, cfg.block_m, e)
+    outs = []
+    for band in (1, 2, 16):
+        monkeypatch.setattr(configs, "TC_COLUMN_BAND", band)
+        outs.append(fused_moe_gemm(x, w, *lists, a, tw, config=cfg).view(cp.uint16))
+    assert all(cp.array_equal(outs[0], o) for o in outs[1:])
+
+
 def test_gemm_deterministic_prefill():
     rng = np.random.default_rng(5)
     e, m, a, k, n = 2, 130, 1, 4096, 128  # tc kernel, few CTAs: split-K active
