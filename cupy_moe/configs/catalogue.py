@@ -40,10 +40,8 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 SWAPPED_RESIDENT_PER_SM = 2  # the swapped kernel's 32 x 256: about 125 registers x 256 threads
 MAX_SPLIT = 16  # the most K slices (split-K CTAs) of one tile
-# The tc kernel's tile order: the CTAs launched one after another take TC_COLUMN_BAND column tiles of a row block
-# before the next row block (the last band may be narrower), so that the CTAs resident at one time share their
-# activation rows and weight tiles in L2; with row blocks fastest (1), every column tile read all the activation rows
-# again, from DRAM where they pass the L2's size. Measured in docs/performance.md (prefill); bands of 8 and 16 alike.
+# The tc kernel's tile order: CTAs launched one after another take TC_COLUMN_BAND column tiles of a row block before
+# the next row block; 1 = row blocks fastest (why: kernels/moe_gemm_prefill.cu; measured: performance.md, prefill).
 TC_COLUMN_BAND = 16
 
 
