@@ -287,7 +287,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         gpu = configs.gpu_info()
         if config is None:
             config = configs.choose_config(m, e, top_k, k, n, bits, gs, block_m, act_order=act_order, pair_a=pair_a,
-                                           gpu=gpu)
+                                           gpu=gpu, one_pair=sorted_ids is None)
         else:
             _check_config(config, block_m, act_order, pair_a, gpu.hopper, sorted_ids is None)
         n_tiles, split, cps = _geometry(config, k, n)

@@ -43,7 +43,8 @@ def test_every_gemm_instance_has_a_file():
 
 
 @pytest.mark.parametrize("cfg", [*configs.KERNEL_SHAPES.values(), *configs.HOPPER_SHAPES.values(),
-                                 *configs.SPLIT_WARPS_SHAPES.values(), *configs.ACT_ORDER_SHAPES.values()])
+                                 *configs.SPLIT_WARPS_SHAPES.values(), configs.DECODE_WK_ONE_PAIR,
+                                 *configs.ACT_ORDER_SHAPES.values()])
 def test_source_file_holds_the_config_kernel(cfg):
     # the launcher compiles cfg.source_file for the instance the config names
     name = cfg.name_expression(False, 4, False, 32, hopper=cfg.kind == "swapped")

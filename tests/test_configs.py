@@ -1,6 +1,7 @@
 """Tile choice: the catalogue, the heuristic, the GPU description and the tuned tables. CPU only."""
 import copy
 import dataclasses
+import itertools
 import json
 import warnings
 from dataclasses import replace
@@ -230,6 +231,24 @@ def test_warps_k_settles_rule_4_for_forced_splits_and_tuned_entries(fake_gpu):
         configs.save_tuned("Fake GPU", {key: {"block_m": 64, "split_k": 1, "warps_k": 4}})
 
 
+def test_one_pair_per_block_runs_warps_along_k_in_64k_stages(fake_gpu):
+    """Rule 7: with one pair per block (M = 1, no aligned list) the warps-along-K shape, from rule 4 or from a
+    tuned entry, runs in 64-k stages; a plain split keeps its shape; one_pair needs 16-row blocks."""
+    args = (64, 8, 1, 14336, 4096, 4, 128)
+    one = replace(configs.DECODE_WK_ONE_PAIR, split_k=1)
+    assert (one.ku, one.warps_k, one.stages) == (2, 4, configs.DECODE_WK.stages)
+    assert choose(*args, 16, gpu=fake_gpu, split_k=3, one_pair=True) == one  # rule 4, then 7
+    assert choose(*args, 16, gpu=fake_gpu, split_k=3, warps_k=1, one_pair=True) == replace(configs.DECODE, split_k=3)
+    configs.save_tuned("Fake GPU", {configs.tuning_key(8, 14336, 4096, 4, 128, 64):
+                                    {"block_m": 16, "split_k": 1, "warps_k": 4, "time_us": 1.0}})
+    assert choose(*args, 16, gpu=fake_gpu, one_pair=True) == one
+    assert choose(*args, 16, gpu=fake_gpu) == replace(configs.DECODE_WK, split_k=1)
+    for block_m in (None, 64):
+        with pytest.raises(ValueError, match=rf"one_pair: expected block_m=16 with it \(one pair per 16-row block\), "
+                                             rf"got block_m={block_m}"):
+            choose(*args, block_m, gpu=fake_gpu, one_pair=True)
+
+
 def test_missing_problem_uses_the_heuristic_silently(fake_gpu):
     heuristic_pick = choose(1, 8, 2, 4096, 4096, 4, 128, gpu=fake_gpu)  # no table yet
     configs.save_tuned("Fake GPU", {"E1_K32_N32_b4_G32_P1": {"block_m": 16, "split_k": 1}})
@@ -321,7 +340,7 @@ def test_choice_arguments_are_checked():
 
 def test_config_specs_round_trip():
     for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3, split_k=5), configs.PREFILL,
-                configs.PREFILL_128, configs.DECODE_WK, configs.SWAPPED_32):
+                configs.PREFILL_128, configs.DECODE_WK, configs.DECODE_WK_ONE_PAIR, configs.SWAPPED_32):
         assert configs.GemmConfig.from_spec(cfg.spec) == cfg
     assert configs.DECODE.spec == "reg:1,1,4,1,4,2,1/1"
     assert configs.GemmConfig.from_spec("tc:2,2,4,2,1,6,1") == configs.PREFILL
@@ -493,7 +512,7 @@ def test_name_expressions_by_source_file():
 
 def test_default_tiles_fit_one_sm():
     """Every instance the launcher can request fits an H100/H200 SM's 227 KiB of opt-in shared memory."""
-    for cfg in (*configs.KERNEL_SHAPES.values(), *configs.SPLIT_WARPS_SHAPES.values(),
+    for cfg in (*configs.KERNEL_SHAPES.values(), *configs.SPLIT_WARPS_SHAPES.values(), configs.DECODE_WK_ONE_PAIR,
                 *configs.HOPPER_SHAPES.values()):
         for bits in (4, 8):
             for hopper in (False, True):
@@ -516,7 +535,8 @@ def test_tune_checks_its_arguments_before_touching_a_gpu():
 
 def test_every_catalogued_instance_is_reachable():
     # Each instance compiled for an arch is one the rules can launch there: the configuration choice over a grid of
-    # problems, every block size (a tuned entry may name any) and every flag the launcher passes reaches them all.
+    # problems, every block size (a tuned entry may name any) and every flag the launcher passes (one pair per
+    # block included) reaches them all.
     for gpu in (H200, PORTABLE, configs.GpuInfo("Test sm_80", "sm_80", 108)):
         reached = set()
         for bf16 in (False, True):
@@ -525,9 +545,11 @@ def test_every_catalogued_instance_is_reachable():
                     for pair_a in ((False, True) if bits == 4 else (False,)):
                         for m, e, a, k, n in ((1, 8, 2, 4096, 4096), (2, 8, 1, 14336, 4096), (4096, 8, 2, 4096, 4096)):
                             for block_m in (None, *configs.SUPPORTED_BLOCK_M):
-                                for split_k in ((None,) if block_m is None else (None, 1, 2, 4)):
+                                splits = (None,) if block_m is None else (None, 1, 2, 4)
+                                for split_k, one in itertools.product(splits, (False, True)[:1 + (block_m == 16)]):
                                     cfg = configs.choose_config(m, e, a, k, n, bits, group, block_m, act_order=act,
-                                                                pair_a=pair_a, gpu=gpu, split_k=split_k, tuned=False)
+                                                                pair_a=pair_a, gpu=gpu, split_k=split_k, tuned=False,
+                                                                one_pair=one)
                                     reached.add(cfg.name_expression(bf16, bits, act, k if group == -1 else group,
                                                                     gpu.hopper, k, pair_a))
         catalogue = set(configs.all_name_expressions(gpu.arch))

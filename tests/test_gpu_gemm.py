@@ -302,9 +302,11 @@ def test_graph_capture_align_and_gemm():
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
     (4, False, False, "float16", 128), (4, True, True, "bfloat16", 64), (8, False, False, "float16", -1)])
 def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
-    """sorted_token_ids and num_tokens_post_padded None (M = 1 without the align): bitwise the aligned call, for the
-    gate/up form (one row, top_k A) and the down form (a row per pair, routing weights), with repeated ids. An id
-    outside [0, E) leaves its row untouched, in this layout and in an aligned list."""
+    """sorted_token_ids and num_tokens_post_padded None (M = 1 without the align): bitwise the aligned call of the
+    same configuration (the one choose_config(one_pair=True) gives, which the call picks, and the warps-along-K
+    shape of one pair per block), for the gate/up form (one row, top_k A) and the down form (a row per pair,
+    routing weights), with repeated ids. An id outside [0, E) leaves its row untouched, in this layout and in an
+    aligned list."""
     rng = np.random.default_rng(9)
     e, k, n, a = 16, 1024, 256, 4
     dt = _dtype(dtype_name)
@@ -316,22 +318,28 @@ def test_gemm_one_pair_per_block(bits, sym, act_order, dtype_name, gs):
         tw = cp.asarray(rng.uniform(0.1, 1.0, size=(1, a)).astype(np.float32))
         for rows, top_k, weights in ((1, a, None), (a, 1, tw)):
             x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float32).astype(dt))
-            want = fused_moe_gemm(x, w, *aligned, top_k, weights)
-            got = fused_moe_gemm(x, w, None, ids, None, top_k, weights)
-            assert cp.array_equal(want.view(cp.uint16), got.view(cp.uint16))
+            chosen = configs.choose_config(rows, e, top_k, k, n, bits, gs, 16, act_order=act_order, one_pair=True)
             ref = reference.fused_moe_gemm(cp.asnumpy(x).astype(np.float32), w_host, None, cp.asnumpy(ids), None,
                                            top_k, None if weights is None else cp.asnumpy(weights))
-            err = np.linalg.norm(cp.asnumpy(got).astype(np.float64) - ref) / np.linalg.norm(ref)
-            assert err <= REL_L2[dtype_name]
+            for cfg in (chosen, replace(configs.DECODE_WK_ONE_PAIR, split_k=1)):
+                want = fused_moe_gemm(x, w, *aligned, top_k, weights, config=cfg)
+                got = fused_moe_gemm(x, w, None, ids, None, top_k, weights, config=cfg)
+                assert cp.array_equal(want.view(cp.uint16), got.view(cp.uint16))
+                err = np.linalg.norm(cp.asnumpy(got).astype(np.float64) - ref) / np.linalg.norm(ref)
+                assert err <= REL_L2[dtype_name]
+            picked = fused_moe_gemm(x, w, None, ids, None, top_k, weights)
+            assert cp.array_equal(picked.view(cp.uint16), fused_moe_gemm(x, w, None, ids, None, top_k, weights,
+                                                                         config=chosen).view(cp.uint16))
     x = cp.asarray(rng.standard_normal((1, k)).astype(np.float32).astype(dt))
     ids = cp.asarray(np.array([[2, -1, e, 7]], np.int32))
-    good = fused_moe_gemm(x, w, None, cp.asarray(np.array([[2, 2, 7, 7]], np.int32)), None, a)
+    cfg = configs.choose_config(1, e, a, k, n, bits, gs, 16, act_order=act_order, one_pair=True)
+    good = fused_moe_gemm(x, w, None, cp.asarray(np.array([[2, 2, 7, 7]], np.int32)), None, a, config=cfg)
     out = cp.asarray(np.full((a, n), np.nan, dtype=dt))
-    fused_moe_gemm(x, w, None, ids, None, a, out=out)
+    fused_moe_gemm(x, w, None, ids, None, a, out=out, config=cfg)
     s, eids, post = moe_align_block_size(cp.asarray(np.array([[2, 3, 4, 7]], np.int32)), 16, e)
     eids[1:3] = cp.asarray(np.array([e, 1 << 30], np.int32))  # experts 3 and 4 -> ids past E
     out2 = cp.asarray(np.full((a, n), np.nan, dtype=dt))
-    fused_moe_gemm(x, w, s, eids, post, a, out=out2)
+    fused_moe_gemm(x, w, s, eids, post, a, out=out2, config=cfg)
     for o in (out, out2):
         o = cp.asnumpy(o).astype(np.float32)
         assert np.isnan(o[1:3]).all()

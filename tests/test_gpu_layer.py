@@ -270,7 +270,8 @@ def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypat
         plain = fused_moe(x, w13, w2, weights, ids)
         plan = cupy_moe.plan_moe(m, w13, w2, a)
         split += plan.workspace.partials.size > 0
-        assert plan.up == configs.choose_config(m, e, a, h, 2 * inter, 4, 128, 16 if m == 1 else None)
+        assert plan.up == configs.choose_config(m, e, a, h, 2 * inter, 4, 128, 16 if m == 1 else None,
+                                                one_pair=m == 1)
         stream = cp.cuda.Stream(non_blocking=True)  # the plan's workspace is ready for any stream
         cp.cuda.get_current_stream().synchronize()  # the inputs and `plain` were made on this one
 

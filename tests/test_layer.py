@@ -253,8 +253,9 @@ def test_plan_moe_holds_the_configurations_fused_moe_launches(tmp_path, m):
     w = _stacked(tmp_path)
     plan = plan_moe(m, w.w13, w.w2, 2, gpu=H200)
     block_m = 16 if m == 1 else None
-    up = configs.choose_config(m, E, 2, H, 2 * I, w.w13.bits, w.w13.group_size, block_m, gpu=H200)
-    down = configs.choose_config(2 * m, E, 1, I, H, w.w2.bits, w.w2.group_size, block_m, gpu=H200)
+    up = configs.choose_config(m, E, 2, H, 2 * I, w.w13.bits, w.w13.group_size, block_m, gpu=H200, one_pair=m == 1)
+    down = configs.choose_config(2 * m, E, 1, I, H, w.w2.bits, w.w2.group_size, block_m, gpu=H200,
+                                 one_pair=m == 1)
     assert (plan.up, plan.down) == (up, down)
     assert plan.pair_order == configs.down_pair_order(w.w2.bits, down.block_m)
     assert plan.one_pair == (m == 1) and plan.workspace is None

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "KERNEL_FILES", "TEMPLATES", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "HOPPER_SHAPES",
-           "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_WK", "PREFILL", "PREFILL_128",
-           "SWAPPED_32", "MAX_SPLIT", "TC_COLUMN_BAND", "warps_k_choices", "fallback", "max_split_k",
-           "all_name_expressions"]
+           "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_WK", "DECODE_WK_ONE_PAIR",
+           "PREFILL", "PREFILL_128", "SWAPPED_32", "MAX_SPLIT", "TC_COLUMN_BAND", "warps_k_choices", "fallback",
+           "max_split_k", "all_name_expressions"]
 
 # The CUDA source of each kind (kernels/<file>), and the template each kind instantiates.
 KERNEL_FILES = {"reg": "moe_gemm_decode.cu", "tc": "moe_gemm_prefill.cu", "swapped": "moe_gemm_swapped.cu"}
@@ -199,6 +199,8 @@ ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2,
 # the 16-row decode shape with its K slices as the warps of one CTA, in place of split-K
 DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
 SPLIT_WARPS_SHAPES = {16: DECODE_WK}
+# DECODE_WK in 64-k stages, where it takes one pair per block (M = 1, no aligned list)
+DECODE_WK_ONE_PAIR = replace(DECODE_WK, ku=2)
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side)
 SWAPPED_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="swapped")  # 32 x 256, 6 x 32 k
 HOPPER_SHAPES = {32: SWAPPED_32}
@@ -236,8 +238,11 @@ def all_name_expressions(arch: str = "sm_80", filename: str | None = None) -> li
     for bf16 in (False, True):
         for bits in (4, 8):
             for block_m, shape in KERNEL_SHAPES.items():
-                shapes = (HOPPER_SHAPES.get(block_m, shape) if hopper else shape, *(
-                    [SPLIT_WARPS_SHAPES[block_m]] if block_m in SPLIT_WARPS_SHAPES else []))
+                shapes = [HOPPER_SHAPES.get(block_m, shape) if hopper else shape]
+                if block_m in SPLIT_WARPS_SHAPES:
+                    shapes.append(SPLIT_WARPS_SHAPES[block_m])
+                if block_m == DECODE_WK_ONE_PAIR.block_m:
+                    shapes.append(DECODE_WK_ONE_PAIR)
                 for cfg in shapes:
                     for act in (False, True):
                         for pair_a in ((False, True) if bits == 4 else (False,)):

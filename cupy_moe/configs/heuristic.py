@@ -19,6 +19,8 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
    rules 1 and 3 (and an entry of another block size).
 6. The shape runs where its kernel has a variant (`catalogue.fallback`): act-order at a tc block size runs the
    act-order shape, a swapped shape off sm_90a, with act-order or with pair-ordered activations the portable one.
+7. With one pair per block (`one_pair`: M = 1, which reads no aligned list), the warps-along-K shape runs in 64-k
+   stages (DECODE_WK_ONE_PAIR).
 
 Rules 1 and 3 choose the block size without looking at act-order; rule 2 counts the CTAs per SM of the instance
 that act-order compiles. Every rule and constant was measured on an H200 (132 SMs), SPLIT_TC_MAX on an H100 (132
@@ -29,8 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .catalogue import (HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig,
-                        fallback, max_split_k, warps_k_choices)
+from .catalogue import (DECODE_WK, DECODE_WK_ONE_PAIR, HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES,
+                        SUPPORTED_BLOCK_M, GemmConfig, fallback, max_split_k, warps_k_choices)
 from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
@@ -139,7 +141,8 @@ def split_k_estimate(shape: GemmConfig, m: int, e: int, a: int, k: int, n: int, 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int, block_m: int | None = None,
                   *, act_order: bool = False, pair_a: bool = False, gpu: GpuInfo | None = None,
-                  split_k: int | None = None, warps_k: int | None = None, tuned: bool = True) -> GemmConfig:
+                  split_k: int | None = None, warps_k: int | None = None, tuned: bool = True,
+                  one_pair: bool = False) -> GemmConfig:
     """The configuration one GEMM phase launches: pass it to fused_moe_gemm(..., config=) and align with its
     block_m (`moe_align_block_size(topk_ids, config.block_m, E)`).
 
@@ -151,7 +154,9 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     split_k: force the K split of the block size's shape (with block_m; rule 2 skipped, rules 4-6 apply).
     warps_k: with split_k, also settle rule 4: 1 keeps the plain split, the warps-along-K shape's warps_k
     (SPLIT_WARPS_SHAPES, 16-row blocks) runs that shape with split_k CTAs per tile; None lets rule 4 decide. How
-    `tune` names its candidates. tuned: False ignores the tuned table (the rules alone).
+    `tune` names its candidates. tuned: False ignores the tuned table (the rules alone). one_pair: each pair has a
+    16-row block of its own and the launch reads no aligned list (fused_moe_gemm with sorted_token_ids None, as
+    fused_moe runs M = 1); needs block_m 16 (rule 7).
     """
     if gpu is None:
         gpu = gpu_info()
@@ -166,6 +171,9 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     if warps_k is not None and (split_k is None or warps_k not in warps_k_choices(block_m)):
         raise ValueError(f"warps_k: expected one of {warps_k_choices(block_m)} with a split_k, or None, got "
                          f"warps_k={warps_k!r}, split_k={split_k!r}, block_m={block_m!r}")
+    if one_pair and block_m != DECODE_WK_ONE_PAIR.block_m:
+        raise ValueError(f"one_pair: expected block_m={DECODE_WK_ONE_PAIR.block_m} with it (one pair per 16-row "
+                         f"block), got block_m={block_m!r}")
     problem = _Problem(m, e, a, n, gpu)
     entry = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a) if tuned and split_k is None else None
     if block_m is None:
@@ -181,6 +189,10 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
         cfg = problem.warps_along_k(replace(base, split_k=split), k, act_order)
     else:
         cfg = replace(base if wk == 1 else SPLIT_WARPS_SHAPES[block_m], split_k=split)
+    if one_pair and cfg == replace(DECODE_WK, split_k=cfg.split_k):  # rule 7
+        # H100, M = 1, the whole layer (fused_moe): 0.946-0.973 of the time on Qwen3-30B-A3B, Qwen1.5-MoE-A2.7B and
+        # DeepSeek-V2-Lite (five interleaved rounds), faster than 64-k stages on gate/up alone (docs/heuristic.md)
+        cfg = replace(DECODE_WK_ONE_PAIR, split_k=cfg.split_k)
     return fallback(cfg, act_order=act_order, hopper=gpu.hopper, pair_a=pair_a)
 
 
