@@ -6,7 +6,8 @@ over calls on ROTATIONS routings and, where the weights are small, on up to 4 co
 (`timing.weight_copies`), so that Python's launch overhead and L2 residency stay out. Each candidate is the
 configuration `choose_config` makes of a (block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the
 winners go into this GPU's tuned table in the user's cache (`configs.tuned`), which `choose_config` reads from then
-on; they are saved after each model phase, so a run stopped part of the way keeps what it measured. Only the speed
+on. M = 1 is timed as `fused_moe` runs it: one pair per 16-row block, no aligned list (`choose_config(...,
+one_pair=True)`), so its candidates are the 16-row shapes. The winners are saved after each model phase, so a run stopped part of the way keeps what it measured. Only the speed
 changes: every configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed
 order), though two configurations may round differently. So that a fast wrong answer is never kept, each candidate's
 result on one routing is compared with the heuristic configuration's: one that differs by more than AGREE (relative
@@ -77,35 +78,39 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
-                heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, gpu=gpu, tuned=False)
+                one_pair = m == 1  # as fused_moe runs one token: a 16-row block per pair, no aligned list
+
+                def pair_list(ids, block_m):  # (sorted_token_ids, expert_ids, num_tokens_post_padded)
+                    return (None, ids, None) if one_pair else moe_align_block_size(ids, block_m, e)
+                heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, 16 if one_pair else None,
+                                                  gpu=gpu, tuned=False, one_pair=one_pair)
                 # candidates: every block size's plain shape at every split, and the warps-along-K shape where the
                 # block size has one (rule 4's alternative), each named by the (block_m, split_k, warps_k) entry
                 # that gives it exactly; a configuration is timed once, under the first entry that gives it
                 runs = {}
-                for block_m in configs.SUPPORTED_BLOCK_M:
+                for block_m in (16,) if one_pair else configs.SUPPORTED_BLOCK_M:
                     pair = phase == "down" and configs.down_pair_order(bits, block_m)  # as fused_moe's act
                     most = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
                     unsplit = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
-                                                    pair_a=pair, split_k=1)
+                                                    pair_a=pair, split_k=1, one_pair=one_pair)
                     rule = configs.split_k_estimate(unsplit, rows, e, top_k, k, n, gpu=gpu)  # the heuristic's split
                     named = [(split, 1) for split in sorted({s for s in SPLITS if s <= most} | {rule})]
                     named += [(1, wk) for wk in configs.warps_k_choices(block_m) if wk > 1]
                     for split, wk in named:
                         cfg = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
-                                                    pair_a=pair, split_k=split, warps_k=wk)
+                                                    pair_a=pair, split_k=split, warps_k=wk, one_pair=one_pair)
                         runs.setdefault(cfg, (block_m, split, wk, pair))
                 # the same activations in pair order where a candidate reads them so: every candidate, one product
                 xs = {False: x, True: to_pair_order(x) if any(pair for *_, pair in runs.values()) else None}
 
                 def result(cfg, pair):  # one call on the first routing into a new zero-filled output, in float32
-                    al = moe_align_block_size(routings[0], cfg.block_m, e)
-                    return fused_moe_gemm(xs[pair], weight, *al, top_k, a_pair_order=pair, config=cfg).astype(
-                        cp.float32)
+                    return fused_moe_gemm(xs[pair], weight, *pair_list(routings[0], cfg.block_m), top_k,
+                                          a_pair_order=pair, config=cfg).astype(cp.float32)
                 expected = result(heuristic, phase == "down" and configs.down_pair_order(bits, heuristic.block_m))
                 scale = float(cp.linalg.norm(expected)) or 1.0
                 timings, rejected = {}, []
                 for cfg, (block_m, split, _, pair) in runs.items():
-                    aligned = [moe_align_block_size(ids, block_m, e) for ids in routings]
+                    aligned = [pair_list(ids, block_m) for ids in routings]
                     calls = [lambda al=al, w=weights[i % len(weights)], cfg=cfg, pair=pair: fused_moe_gemm(
                         xs[pair], w, *al, top_k, out=out, a_pair_order=pair, config=cfg)
                              for i, al in enumerate(aligned)]

@@ -3,6 +3,7 @@ phase (so a run stopped later keeps them), and choose_config following the saved
 weights, the align, the GEMM, the timing) are stand-ins here; the tuner itself runs on the GPU in gpu_check.sh."""
 import json
 import types
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,8 +15,9 @@ GPU = configs.GpuInfo("Fake GPU", "sm_90a", 132)
 
 @pytest.fixture
 def fake(tmp_path, monkeypatch):
-    """Stand-ins for the GPU; `launched` records each candidate's configuration and top_k as the timing runs it;
-    a configuration whose (block_m, split_k) is in `broken` returns zeros where the others return ones."""
+    """Stand-ins for the GPU; `launched` records each candidate's configuration, top_k and whether it ran one pair
+    per block (no aligned list) as the timing runs it; a configuration whose (block_m, split_k) is in `broken`
+    returns zeros where the others return ones."""
     monkeypatch.setenv("CUPY_MOE_CACHE_DIR", str(tmp_path))
     launched, broken = [], set()
     pool = types.SimpleNamespace(free_all_blocks=lambda: None)
@@ -25,18 +27,19 @@ def fake(tmp_path, monkeypatch):
     monkeypatch.setattr(configs, "gpu_info", lambda: GPU)
     big = types.SimpleNamespace(nbytes=1 << 30)  # one copy (timing.weight_copies)
     monkeypatch.setattr(tune_mod, "StackedGptqWeight", types.SimpleNamespace(random=lambda *a, **kw: big))
-    monkeypatch.setattr(tune_mod, "moe_align_block_size", lambda ids, block_m, e: (None, None, None))
+    monkeypatch.setattr(tune_mod, "moe_align_block_size", lambda ids, block_m, e: ("sorted", "blocks", "post"))
 
     def gemm(x, w, s, eid, post, top_k, **kw):
         cfg = kw["config"]
-        launched.append((cfg, top_k))
+        assert (s is None) == (post is None)
+        launched.append((cfg, top_k, s is None))
         return np.full((x.shape[0] * top_k, 8), 0 if (cfg.block_m, cfg.split_k) in broken else 1, np.float16)
     monkeypatch.setattr(tune_mod, "fused_moe_gemm", gemm)
 
     def graph_time(calls, reps):  # the candidate's time: 64-row blocks split 2 ways win
         for call in calls:
             call()
-        cfg, _ = launched[-1]
+        cfg = launched[-1][0]
         return 1e-6 * (1 if (cfg.block_m, cfg.split_k) == (64, 2) else 10 + cfg.split_k + cfg.block_m / 16)
     monkeypatch.setattr(tune_mod, "graph_time", graph_time)
     return types.SimpleNamespace(launched=launched, broken=broken, table=tmp_path / configs.table_file_name(GPU.name))
@@ -45,15 +48,17 @@ def fake(tmp_path, monkeypatch):
 def test_tune_keeps_the_fastest_candidate_and_choose_config_follows_it(fake):
     found = tune_mod.tune(["tiny"], (1, 64), reps=1, log=lambda line: None)
     assert len(found) == 4  # two phases x two token counts
-    assert {len({c for c, _ in fake.launched if c.block_m == b}) > 0 for b in configs.SUPPORTED_BLOCK_M} == {True}
-    assert any(c.block_m == 16 and c.warps_k == 4 for c, _ in fake.launched)  # rule 4's alternative is timed too
+    aligned = [c for c, _, one_pair in fake.launched if not one_pair]
+    assert {len({c for c in aligned if c.block_m == b}) > 0 for b in configs.SUPPORTED_BLOCK_M} == {True}
+    assert any(c.block_m == 16 and c.warps_k == 4 for c in aligned)  # rule 4's alternative is timed too
     saved = json.loads(fake.table.read_text())
     assert saved["gpu"] == GPU.name and saved["entries"] == found
-    for entry in found.values():
-        assert (entry["block_m"], entry["split_k"], entry["warps_k"]) == (64, 2, 1) and entry["time_us"] == 1.0
-    # choose_config now takes the table's block size and split for these problems (and not for others)
     tiny = tune_mod.get_model("tiny")
     k, n, top_k = tiny.phases()["gate_up"]
+    for key, entry in found.items():  # M = 1 has 16-row candidates only; the fastest of those: unsplit
+        want = (16, 1, 1, 12.0) if key.endswith(f"_P{top_k}") else (64, 2, 1, 1.0)
+        assert (entry["block_m"], entry["split_k"], entry["warps_k"], entry["time_us"]) == want
+    # choose_config now takes the table's block size and split for these problems (and not for others)
     heuristic = configs.choose_config(64, tiny.num_experts, top_k, k, n, 4, 128, gpu=GPU, tuned=False)
     tuned = configs.choose_config(64, tiny.num_experts, top_k, k, n, 4, 128, gpu=GPU)
     assert (heuristic.block_m, tuned.block_m, tuned.split_k) == (16, 64, 2)
@@ -93,3 +98,12 @@ def test_tune_rejects_a_fast_candidate_whose_result_differs(fake):
         assert (entry["block_m"], entry["split_k"], entry["time_us"]) == (16, 1, 12.0)
     rejected = [line for line in lines if "rejected" in line]
     assert len(rejected) == 2 and all("64 S=2 (1.0 us, off by 1.0e+00)" in line for line in rejected)
+
+
+def test_tune_times_one_token_as_fused_moe_runs_it(fake):
+    """M = 1 runs one pair per 16-row block without an aligned list (fused_moe's path), so the tuner times exactly
+    that: 16-row candidates only, each launched without an aligned list, the warps-along-K one in 64-k stages."""
+    tune_mod.tune(["tiny"], (1,), reps=1, save=False, log=lambda line: None)
+    assert fake.launched and all(one_pair and c.block_m == 16 for c, _, one_pair in fake.launched)
+    warps_k = {replace(c, split_k=1) for c, *_ in fake.launched if c.warps_k > 1}
+    assert warps_k == {configs.DECODE_WK_ONE_PAIR}
