@@ -7,11 +7,11 @@ over calls on ROTATIONS routings and, where the weights are small, on up to 4 co
 configuration `choose_config` makes of a (block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the
 winners go into this GPU's tuned table in the user's cache (`configs.tuned`), which `choose_config` reads from then
 on. M = 1 is timed as `fused_moe` runs it: one pair per 16-row block, no aligned list (`choose_config(...,
-one_pair=True)`), so its candidates are the 16-row shapes. The winners are saved after each model phase, so a run stopped part of the way keeps what it measured. Only the speed
-changes: every configuration passes the same accuracy tests, and each is deterministic (split-K sums in a fixed
-order), though two configurations may round differently. So that a fast wrong answer is never kept, each candidate's
-result on one routing is compared with the heuristic configuration's: one that differs by more than AGREE (relative
-L2) is logged as rejected and not kept.
+one_pair=True)`), so its candidates are the 16-row shapes. The winners are saved after each model phase, so a run
+stopped part of the way keeps what it measured. Only the speed changes: every configuration passes the same accuracy
+tests, and each is deterministic (split-K sums in a fixed order), though two configurations may round differently. So
+that a fast wrong answer is never kept, each candidate's result on one routing is compared with the heuristic
+configuration's: one that differs by more than AGREE (relative L2) is logged as rejected and not kept.
 """
 from __future__ import annotations
 
