@@ -90,8 +90,7 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
     copies = weight_copies(w_bytes_expert * e)
     weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
     gpu = gpu or configs.gpu_info()
-    block_m = 16 if m == 1 else None  # fused_moe's M = 1 path: one pair per block
-    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, block_m, gpu=gpu, one_pair=m == 1)
+    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, gpu=gpu, one_pair=m == 1)  # fused_moe's M = 1 path
     # the layout fused_moe's silu-and-mul gives this block size (the values are random either way)
     pair = phase == "down" and configs.down_pair_order(BITS, cfg.block_m) and not natural_down
     cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, cfg.block_m, gpu=gpu, pair_a=pair, one_pair=m == 1)

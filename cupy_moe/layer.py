@@ -306,11 +306,10 @@ class MoEPlan:
 def _choose(m, a, w13, w2, gpu, allocate):
     """The one place where fused_moe's configurations are chosen (`plan_moe`, and fused_moe without a plan)."""
     e, h, i = w13.num_experts, w13.k, w2.k
-    block_m = 16 if m == 1 else None
-    up = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, block_m=block_m,
-                               act_order=w13.g_idx is not None, gpu=gpu, one_pair=m == 1)
-    down = configs.choose_config(m * a, e, 1, i, h, w2.bits, w2.group_size, block_m=block_m,
-                                 act_order=w2.g_idx is not None, gpu=gpu, one_pair=m == 1)
+    up = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, act_order=w13.g_idx is not None,
+                               gpu=gpu, one_pair=m == 1)
+    down = configs.choose_config(m * a, e, 1, i, h, w2.bits, w2.group_size, act_order=w2.g_idx is not None,
+                                 gpu=gpu, one_pair=m == 1)
     # act in the 4-bit dequantizer's pair order on 16-row blocks (gemm.py); their shapes all read it
     pair = configs.down_pair_order(w2.bits, down.block_m)
     workspace = None

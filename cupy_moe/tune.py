@@ -82,13 +82,13 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
 
                 def pair_list(ids, block_m):  # (sorted_token_ids, expert_ids, num_tokens_post_padded)
                     return (None, ids, None) if one_pair else moe_align_block_size(ids, block_m, e)
-                heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, 16 if one_pair else None,
-                                                  gpu=gpu, tuned=False, one_pair=one_pair)
+                heuristic = configs.choose_config(rows, e, top_k, k, n, bits, group_size, gpu=gpu, tuned=False,
+                                                  one_pair=one_pair)
                 # candidates: every block size's plain shape at every split, and the warps-along-K shape where the
                 # block size has one (rule 4's alternative), each named by the (block_m, split_k, warps_k) entry
                 # that gives it exactly; a configuration is timed once, under the first entry that gives it
                 runs = {}
-                for block_m in (16,) if one_pair else configs.SUPPORTED_BLOCK_M:
+                for block_m in (heuristic.block_m,) if one_pair else configs.SUPPORTED_BLOCK_M:
                     pair = phase == "down" and configs.down_pair_order(bits, block_m)  # as fused_moe's act
                     most = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
                     unsplit = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,

@@ -233,7 +233,7 @@ def test_warps_k_settles_rule_4_for_forced_splits_and_tuned_entries(fake_gpu):
 
 def test_one_pair_per_block_runs_warps_along_k_in_64k_stages(fake_gpu):
     """Rule 7: with one pair per block (M = 1, no aligned list) the warps-along-K shape, from rule 4 or from a
-    tuned entry, runs in 64-k stages; a plain split keeps its shape; one_pair needs 16-row blocks."""
+    tuned entry, runs in 64-k stages; a plain split keeps its shape; one_pair means 16-row blocks."""
     args = (64, 8, 1, 14336, 4096, 4, 128)
     one = replace(configs.DECODE_WK_ONE_PAIR, split_k=1)
     assert (one.ku, one.warps_k, one.stages) == (2, 4, configs.DECODE_WK.stages)
@@ -242,10 +242,11 @@ def test_one_pair_per_block_runs_warps_along_k_in_64k_stages(fake_gpu):
     configs.save_tuned("Fake GPU", {configs.tuning_key(8, 14336, 4096, 4, 128, 64):
                                     {"block_m": 16, "split_k": 1, "warps_k": 4, "time_us": 1.0}})
     assert choose(*args, 16, gpu=fake_gpu, one_pair=True) == one
+    assert choose(*args, None, gpu=fake_gpu, one_pair=True) == one  # the block size one pair per block implies
     assert choose(*args, 16, gpu=fake_gpu) == replace(configs.DECODE_WK, split_k=1)
-    for block_m in (None, 64):
-        with pytest.raises(ValueError, match=rf"one_pair: expected block_m=16 with it \(one pair per 16-row block\), "
-                                             rf"got block_m={block_m}"):
+    for block_m in (32, 64):
+        with pytest.raises(ValueError, match=rf"one_pair: expected block_m=16 or None with it \(one pair per 16-row "
+                                             rf"block\), got block_m={block_m}"):
             choose(*args, block_m, gpu=fake_gpu, one_pair=True)
 
 

@@ -156,7 +156,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     (SPLIT_WARPS_SHAPES, 16-row blocks) runs that shape with split_k CTAs per tile; None lets rule 4 decide. How
     `tune` names its candidates. tuned: False ignores the tuned table (the rules alone). one_pair: each pair has a
     16-row block of its own and the launch reads no aligned list (fused_moe_gemm with sorted_token_ids None, as
-    fused_moe runs M = 1); needs block_m 16 (rule 7).
+    fused_moe runs M = 1); block_m None or 16 (rule 7).
     """
     if gpu is None:
         gpu = gpu_info()
@@ -164,6 +164,11 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
         raise TypeError(f"gpu: expected a GpuInfo or None, got {type(gpu).__name__}")
     if block_m is not None and block_m not in SUPPORTED_BLOCK_M:
         raise ValueError(f"block_m: expected one of {SUPPORTED_BLOCK_M} or None, got {block_m!r}")
+    if one_pair:  # one pair per block: the block size is given
+        if block_m not in (None, DECODE_WK_ONE_PAIR.block_m):
+            raise ValueError(f"one_pair: expected block_m={DECODE_WK_ONE_PAIR.block_m} or None with it (one pair per "
+                             f"16-row block), got block_m={block_m!r}")
+        block_m = DECODE_WK_ONE_PAIR.block_m
     if split_k is not None and (block_m is None or isinstance(split_k, bool) or not isinstance(split_k, int)
                                 or not 1 <= split_k <= MAX_SPLIT):
         raise ValueError(f"split_k: expected an int in [1, {MAX_SPLIT}] with a block_m, or None, got "
@@ -171,9 +176,6 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     if warps_k is not None and (split_k is None or warps_k not in warps_k_choices(block_m)):
         raise ValueError(f"warps_k: expected one of {warps_k_choices(block_m)} with a split_k, or None, got "
                          f"warps_k={warps_k!r}, split_k={split_k!r}, block_m={block_m!r}")
-    if one_pair and block_m != DECODE_WK_ONE_PAIR.block_m:
-        raise ValueError(f"one_pair: expected block_m={DECODE_WK_ONE_PAIR.block_m} with it (one pair per 16-row "
-                         f"block), got block_m={block_m!r}")
     problem = _Problem(m, e, a, n, gpu)
     entry = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a) if tuned and split_k is None else None
     if block_m is None:
