@@ -9,11 +9,12 @@ Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activa
 - FLOP floor: 2*P*K*N over the cupy.matmul fp16 8192^3 rate measured here; roofline = the larger floor, and the
   `roof` column is roofline / time;
 - baseline: per touched expert, dequantize to fp16 (one elementwise kernel) + cupy.matmul on its rows.
-Each row runs the configuration `choose_config` gives (`--tiles` swaps in other shapes of the same block sizes,
-passed as `config=`). M = 1 rows take the routing as `fused_moe` passes it at M = 1: one pair per block, topk_ids as
-the expert ids, no aligned list. Other rows take the aligned list of moe_align_block_size (made before timing). Down
-rows on 16-row blocks take their activations in pair order (`a_pair_order`), as fused_moe's silu-and-mul writes
-them there (configs.down_pair_order; --natural-down: in natural order, for an A/B).
+Each row runs the configuration `choose_config` gives (`--tiles` swaps in other shapes of the same block sizes, passed
+as `config=`). Rows take the pair list `fused_moe` gives their model at that M (`configs.one_pair_blocks`): at M = 1,
+and at a few tokens of small experts, one pair per block, topk_ids as the expert ids, no aligned list; otherwise the
+aligned list of moe_align_block_size (made before timing). Down rows on 16-row blocks take their activations in pair
+order (`a_pair_order`), as fused_moe's silu-and-mul writes them there (configs.down_pair_order; --natural-down: in
+natural order, for an A/B).
 Timing: `cupy_moe.timing.graph_time`, a CUDA graph that holds one call per input set, replayed after warm-up; the
 median replay over the number of calls. The sets rotate among several routings (and weight copies when the weights
 would fit in L2), so L2 does not flatter small problems. The baseline is timed eagerly (events per call).
@@ -48,7 +49,7 @@ from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import BENCHMARK_MODELS, get_model
 from cupy_moe.timing import (ROOFLINE_TARGET_M, copy_bandwidth, event_time as timed, graph_time, matmul_rate,
                              regime_summary, roofline_target, weight_copies)
-from cupy_moe.weights import StackedGptqWeight
+from cupy_moe.weights import StackedGptqWeight, expert_nbytes
 
 G = 128
 BITS = 4
@@ -74,7 +75,14 @@ def phase_shape(model, phase, m):
     """(K, N, top_k, activation rows, packed weight bytes of one expert) of one phase at M tokens."""
     k, n, top_k = get_model(model).phases()[phase]
     rows = m if phase == "gate_up" else m * get_model(model).top_k
-    return k, n, top_k, rows, k * n // 2 + (k // G) * n * 2 + (k // G) * (n // 8) * 4
+    return k, n, top_k, rows, expert_nbytes(k, n, BITS, G)
+
+
+def one_pair(model, m):
+    """Whether fused_moe runs M tokens of this model with one pair per block and no aligned list."""
+    shape = get_model(model)
+    layer_bytes = sum(expert_nbytes(k, n, BITS, G) for k, n, _ in shape.phases().values())
+    return configs.one_pair_blocks(m, shape.top_k, layer_bytes)
 
 
 def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natural_down=False, gpu=None):
@@ -90,20 +98,21 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
     copies = weight_copies(w_bytes_expert * e)
     weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
     gpu = gpu or configs.gpu_info()
-    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, gpu=gpu, one_pair=m == 1)  # fused_moe's M = 1 path
+    single = one_pair(model, m)  # fused_moe's pair list at this M
+    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, gpu=gpu, one_pair=single)
     # the layout fused_moe's silu-and-mul gives this block size (the values are random either way)
     pair = phase == "down" and configs.down_pair_order(BITS, cfg.block_m) and not natural_down
-    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, cfg.block_m, gpu=gpu, pair_a=pair, one_pair=m == 1)
+    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, cfg.block_m, gpu=gpu, pair_a=pair, one_pair=single)
     for tile in tiles:
         if tile.block_m == cfg.block_m:
-            split = configs.split_k_estimate(tile, rows, e, top_k, k, n, gpu=gpu)
+            split = configs.split_k_estimate(tile, rows, e, top_k, k, n, gpu=gpu, one_pair=single)
             cfg = configs.fallback(replace(tile, split_k=split), act_order=False, hopper=gpu.hopper, pair_a=pair)
     sets = []
     for r in range(rotations):
         ids = np.stack([rng.permutation(e)[:a_top] for _ in range(m)]).astype(np.int32)  # [M, A] routing
         ids_rows = ids.reshape(p, 1) if phase == "down" else ids  # down: one row per pair
         x = cp.asarray(rng.standard_normal((rows, k)).astype(dtype))
-        if m == 1:
+        if single:
             s, eid, post = None, cp.asarray(ids_rows), None
         else:
             s, eid, post = moe_align_block_size(cp.asarray(ids_rows), cfg.block_m, e)

@@ -238,7 +238,8 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
         take a block's first padding slot for its end (the reference raises on a pair after padding).
         One pair per block instead: sorted_token_ids and num_tokens_post_padded None, expert_ids the pairs' expert
         ids themselves, int32 [P] or [M, top_k] (topk_ids). Every pair gets a 16-row block of its own, so no align
-        launch is needed; the fast path for M = 1, wasteful when many pairs share an expert.
+        launch is needed; fused_moe's path at M = 1 and at a few tokens of small experts
+        (`configs.one_pair_blocks`), wasteful when many pairs share an expert.
     top_k: pairs per row of a (A for gate/up, 1 for down); P = M * top_k.
     topk_weights: float32 [M, top_k] or [P], or None: multiplies each row in fp32 before the single rounding.
     out: [P, N] of a's dtype to write into, or None (new, zero-filled). Rows of pairs absent from the list stay

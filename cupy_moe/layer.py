@@ -7,7 +7,8 @@ NumPy inputs run `cupy_moe.reference`; CuPy inputs run the kernels:
     router logits [M, E] --select_experts--> topk_weights [M, A] fp32, topk_ids [M, A] int32   one launch
                          (DeepSeek's scoring, bias and groups: route_experts, one launch)
     topk_ids --moe_align_block_size--> sorted_token_ids, expert_ids, num_tokens_post_padded (device only;
-                                       skipped at M = 1: the GEMMs take one pair per block;
+                                       skipped where the plan gives each pair a block of its own: M = 1, and
+                                       a few tokens of small experts (configs.one_pair_blocks);
                                        done again for the down phase when it picks another block size)
     hidden [M, H] --fused_moe_gemm(w13, top_k=A)--> x1 [P, 2I]        one launch
     x1 --silu_and_mul--> act [P, I]                                   one launch (4-bit w2, 16-row blocks: pair order)
@@ -287,36 +288,36 @@ def _problem(m, a, w13, w2):
 @dataclass(frozen=True)
 class MoEPlan:
     """What `fused_moe` launches for one problem (M tokens, top-k A, one pair of weights): the configuration of
-    each GEMM phase, whether the down phase reads pair-ordered activations, and the split-K workspace of both phases
-    (None for host weights), allocated when the plan is made. Made by `plan_moe`; with it, a `fused_moe` call
-    chooses nothing and allocates only its output and intermediates."""
+    each GEMM phase, whether the down phase reads pair-ordered activations, whether each pair gets a 16-row block
+    of its own (`one_pair`: no align launch; the GEMMs take topk_ids as the pairs' expert ids), and the split-K
+    workspace of both phases (None for host weights), allocated when the plan is made. Made by `plan_moe`; with it,
+    a `fused_moe` call chooses nothing and allocates only its output and intermediates."""
     problem: tuple  # _problem(...): (M, A, H, I, E, w13 bits, G, act-order, w2 bits, G, act-order)
     up: configs.GemmConfig
     down: configs.GemmConfig
     pair_order: bool
+    one_pair: bool
     workspace: SplitKWorkspace | None = field(default=None, compare=False, repr=False)
 
-    @property
-    def one_pair(self) -> bool:
-        """One token: each pair gets a 16-row block of its own, so no align launch (its experts are distinct, so the
-        aligned list would hold one pair per block anyway; repeated ids work too)."""
-        return self.problem[0] == 1
 
-
-def _choose(m, a, w13, w2, gpu, allocate):
-    """The one place where fused_moe's configurations are chosen (`plan_moe`, and fused_moe without a plan)."""
+def _choose(m, a, w13, w2, gpu, allocate, overlapped=False):
+    """The one place where fused_moe's configurations are chosen (`plan_moe`, fused_moe without a plan, and
+    MoELayer's shared experts). overlapped: the launches run beside other work (the shared experts' side stream),
+    where skipping the align launch saves no time and the blocks of a repeated expert take SMs from the routed
+    experts (MoELayer at M = 4 took 1.04-1.07x the time with them), so one pair per block only at M = 1."""
     e, h, i = w13.num_experts, w13.k, w2.k
+    one_pair = m == 1 if overlapped else configs.one_pair_blocks(m, a, (w13.nbytes + w2.nbytes) / e)
     up = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, act_order=w13.g_idx is not None,
-                               gpu=gpu, one_pair=m == 1)
+                               gpu=gpu, one_pair=one_pair)
     down = configs.choose_config(m * a, e, 1, i, h, w2.bits, w2.group_size, act_order=w2.g_idx is not None,
-                                 gpu=gpu, one_pair=m == 1)
+                                 gpu=gpu, one_pair=one_pair)
     # act in the 4-bit dequantizer's pair order on 16-row blocks (gemm.py); their shapes all read it
     pair = configs.down_pair_order(w2.bits, down.block_m)
     workspace = None
     if allocate and w13.is_device:
-        workspace = SplitKWorkspace.for_launches([SplitKWorkspace.size(up, h, 2 * i, m * a, e, one_pair=m == 1),
-                                                  SplitKWorkspace.size(down, i, h, m * a, e, one_pair=m == 1)])
-    return MoEPlan(_problem(m, a, w13, w2), up, down, pair, workspace)
+        workspace = SplitKWorkspace.for_launches([SplitKWorkspace.size(up, h, 2 * i, m * a, e, one_pair=one_pair),
+                                                  SplitKWorkspace.size(down, i, h, m * a, e, one_pair=one_pair)])
+    return MoEPlan(_problem(m, a, w13, w2), up, down, pair, one_pair, workspace)
 
 
 def plan_moe(num_tokens, w13, w2, top_k, *, gpu=None) -> MoEPlan:
@@ -606,7 +607,8 @@ class MoELayer:
             else:  # fused_moe's launches without a ones fill for the weights or a zero fill for the output
                 shared = cupy.empty((m, h), x.dtype)
                 if m:
-                    _launch_experts(x, s.gate_up, s.down, None, zeros, shared, None, ids_in_range=True)
+                    plan = _choose(m, 1, s.gate_up, s.down, configs.gpu_info(), allocate=False, overlapped=True)
+                    _launch_experts(x, s.gate_up, s.down, None, zeros, shared, plan, ids_in_range=True)
             return shared, None if w.shared_gate_weight is None else _linear_f32(x, w.shared_gate_weight)
 
         if xp is np:

@@ -6,12 +6,13 @@ over calls on ROTATIONS routings and, where the weights are small, on up to 4 co
 (`timing.weight_copies`), so that Python's launch overhead and L2 residency stay out. Each candidate is the
 configuration `choose_config` makes of a (block_m, split_k) pair, passed to `fused_moe_gemm(..., config=)`; the
 winners go into this GPU's tuned table in the user's cache (`configs.tuned`), which `choose_config` reads from then
-on. M = 1 is timed as `fused_moe` runs it: one pair per 16-row block, no aligned list (`choose_config(...,
-one_pair=True)`), so its candidates are the 16-row shapes. The winners are saved after each model phase, so a run
-stopped part of the way keeps what it measured. Only the speed changes: every configuration passes the same accuracy
-tests, and each is deterministic (split-K sums in a fixed order), though two configurations may round differently. So
-that a fast wrong answer is never kept, each candidate's result on one routing is compared with the heuristic
-configuration's: one that differs by more than AGREE (relative L2) is logged as rejected and not kept.
+on. Token counts that `fused_moe` runs with one pair per 16-row block and no aligned list (M = 1, and a few tokens of
+small experts: `configs.one_pair_blocks`) are timed so (`choose_config(..., one_pair=True)`): their candidates are the
+16-row shapes. The winners are saved after each model phase, so a run stopped part of the way keeps what it measured.
+Only the speed changes: every configuration passes the same accuracy tests, and each is deterministic (split-K sums in
+a fixed order), though two configurations may round differently. So that a fast wrong answer is never kept, each
+candidate's result on one routing is compared with the heuristic configuration's: one that differs by more than AGREE
+(relative L2) is logged as rejected and not kept.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .gemm import fused_moe_gemm
 from .models import BENCHMARK_MODELS, get_model
 from .reference import to_pair_order
 from .timing import graph_time, weight_copies
-from .weights import StackedGptqWeight
+from .weights import StackedGptqWeight, expert_nbytes
 
 __all__ = ["tune"]
 
@@ -65,6 +66,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
     found, path = {}, None
     for shape in shapes:
         e, a = shape.num_experts, shape.top_k
+        layer_bytes = sum(expert_nbytes(k, n, bits, group_size) for k, n, _ in shape.phases().values())
         for phase, (k, n, top_k) in shape.phases().items():
             draw = lambda c: StackedGptqWeight.random(e, k, n, bits=bits, group_size=group_size, seed=len(found) + c)
             weight = draw(0)
@@ -78,7 +80,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
-                one_pair = m == 1  # as fused_moe runs one token: a 16-row block per pair, no aligned list
+                one_pair = configs.one_pair_blocks(m, a, layer_bytes)  # as fused_moe runs these M tokens
 
                 def pair_list(ids, block_m):  # (sorted_token_ids, expert_ids, num_tokens_post_padded)
                     return (None, ids, None) if one_pair else moe_align_block_size(ids, block_m, e)
@@ -93,7 +95,8 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                     most = configs.max_split_k(k, configs.KERNEL_SHAPES[block_m].ku)
                     unsplit = configs.choose_config(rows, e, top_k, k, n, bits, group_size, block_m, gpu=gpu,
                                                     pair_a=pair, split_k=1, one_pair=one_pair)
-                    rule = configs.split_k_estimate(unsplit, rows, e, top_k, k, n, gpu=gpu)  # the heuristic's split
+                    rule = configs.split_k_estimate(unsplit, rows, e, top_k, k, n, gpu=gpu,
+                                                    one_pair=one_pair)  # the heuristic's split
                     named = [(split, 1) for split in sorted({s for s in SPLITS if s <= most} | {rule})]
                     named += [(1, wk) for wk in configs.warps_k_choices(block_m) if wk > 1]
                     for split, wk in named:

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import _packing, _xp
 
-__all__ = ["StackedGptqWeight", "concat_n", "stacked_shapes", "expert_shapes", "num_groups",
+__all__ = ["StackedGptqWeight", "concat_n", "stacked_shapes", "expert_shapes", "expert_nbytes", "num_groups",
            "group_len"]
 
 _BITS = (2, 3, 4, 8)
@@ -75,6 +75,13 @@ def stacked_shapes(num_experts: int, k: int, n: int, bits: int, group_size: int)
 def expert_shapes(k: int, n: int, bits: int, group_size: int) -> dict[str, tuple]:
     """The shapes one expert's tensors have in a GPTQ checkpoint: stacked_shapes without the leading E."""
     return {name: shape[1:] for name, shape in stacked_shapes(1, k, n, bits, group_size).items()}
+
+
+def expert_nbytes(k: int, n: int, bits: int, group_size: int) -> int:
+    """The bytes of one expert's qweight, scales and qzeros (int32, float16, int32; no g_idx): what a GEMM reads of
+    each expert it touches."""
+    shapes = expert_shapes(k, n, bits, group_size)
+    return sum(size * int(np.prod(shapes[name])) for name, size in (("qweight", 4), ("scales", 2), ("qzeros", 4)))
 
 
 @dataclass(eq=False, repr=False)

@@ -250,6 +250,42 @@ def test_one_pair_per_block_runs_warps_along_k_in_64k_stages(fake_gpu):
             choose(*args, block_m, gpu=fake_gpu, one_pair=True)
 
 
+def test_one_pair_blocks_at_one_token_and_at_a_few_tokens_of_small_experts():
+    """Rule 8: M = 1 always; up to ONE_PAIR_MAX_TOKENS tokens where the blocks that repeat an expert, if every token
+    chose the same experts, would read at most ONE_PAIR_EXTRA_BYTES again; never more tokens."""
+    from cupy_moe.configs.heuristic import ONE_PAIR_EXTRA_BYTES, ONE_PAIR_MAX_TOKENS
+    from cupy_moe.models import BENCHMARK_MODELS, get_model
+    from cupy_moe.weights import expert_nbytes
+
+    def one_pair(model, m):
+        shape = get_model(model)
+        layer_bytes = sum(expert_nbytes(k, n, 4, 128) for k, n, _ in shape.phases().values())
+        return configs.one_pair_blocks(m, shape.top_k, layer_bytes)
+    assert ONE_PAIR_MAX_TOKENS == 4
+    assert configs.one_pair_blocks(1, 8, 1e12)  # a token's experts are distinct: nothing is read twice
+    ones = {model: [m for m in range(1, 9) if one_pair(model, m)] for model in BENCHMARK_MODELS}
+    assert ones == {**{model: [1] for model in BENCHMARK_MODELS},
+                    "Qwen3-30B-A3B": [1, 2, 3, 4],      # 2.45 MB experts, top-8: 59 MB reread at M = 4
+                    "Qwen1.5-MoE-A2.7B": [1, 2, 3, 4],  # 4.49 MB, top-4: 54 MB at M = 4
+                    "DeepSeek-V2-Lite": [1, 2, 3]}      # 4.49 MB, top-6: 81 MB at M = 4
+    assert not configs.one_pair_blocks(5, 1, 1.0)  # the token bound, however few bytes
+    assert configs.one_pair_blocks(4, 8, ONE_PAIR_EXTRA_BYTES / 24)
+    assert not configs.one_pair_blocks(4, 8, ONE_PAIR_EXTRA_BYTES / 24 * 1.01)
+
+
+def test_one_pair_split_estimate_counts_a_block_per_pair():
+    """Rule 7: with one pair per block the split estimate counts P blocks of one row, not the touched experts: 4
+    tokens of top-8 are estimated as one token of top-32."""
+    gpu = configs.GpuInfo("Test H100", "sm_90a", 132)
+    shape = configs.DECODE
+    for k, n in ((2048, 1536), (768, 2048), (7168, 4096)):
+        one = configs.split_k_estimate(shape, 4, 128, 8, k, n, gpu=gpu, one_pair=True)
+        assert one == configs.split_k_estimate(shape, 1, 128, 32, k, n, gpu=gpu)
+    # the aligned list counts the 29.1 experts 4 tokens touch on average: 350 CTAs against 384 at N = 1536
+    assert configs.split_k_estimate(shape, 4, 128, 8, 4096, 1536, gpu=gpu, one_pair=True) == 1
+    assert configs.split_k_estimate(shape, 4, 128, 8, 4096, 1536, gpu=gpu) == 3
+
+
 def test_missing_problem_uses_the_heuristic_silently(fake_gpu):
     heuristic_pick = choose(1, 8, 2, 4096, 4096, 4, 128, gpu=fake_gpu)  # no table yet
     configs.save_tuned("Fake GPU", {"E1_K32_N32_b4_G32_P1": {"block_m": 16, "split_k": 1}})

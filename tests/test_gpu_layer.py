@@ -184,24 +184,29 @@ def test_shared_experts_on_the_gpu_match_numpy(h, gated):
     assert rel_l2(got[same], want[same]) <= REL_L2["float16"]
 
 
-def test_fused_moe_one_token_skips_the_align(tmp_path, monkeypatch):
-    """M = 1: the GEMMs take one pair per block and no align runs, with int32 and with int64 ids; bitwise the
-    aligned path of the same plan, for distinct and for repeated ids."""
+@pytest.mark.parametrize("m", [1, 3])
+def test_fused_moe_one_pair_per_block_skips_the_align(tmp_path, monkeypatch, m):
+    """M = 1, and a few tokens of small experts (configs.one_pair_blocks): the GEMMs take one pair per block and no
+    align runs, with int32 and with int64 ids; bitwise the aligned path of the same configurations, for distinct ids
+    and for ids repeated within and across tokens."""
+    import dataclasses
     import cupy_moe.layer as layer_mod
     write_checkpoint(tmp_path, family="qwen3_moe", hidden=H, intermediate=I, num_experts=E, top_k=4,
                      group_size=64, return_weights=False)
     host = cupy_moe.load_moe_layer(tmp_path, 0, device=False).weights
     w13, w2 = host.w13.to_device(), host.w2.to_device()
-    x = cp.asarray(np.random.default_rng(3).standard_normal((1, H)).astype(np.float16))
-    weights = cp.asarray(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32))
+    plan = cupy_moe.plan_moe(m, w13, w2, 4)
+    assert plan.one_pair
+    x = cp.asarray(np.random.default_rng(3).standard_normal((m, H)).astype(np.float16))
+    weights = cp.asarray(np.tile(np.array([[0.4, 0.3, 0.2, 0.1]], np.float32), (m, 1)))
     for ids in ([[6, 1, 3, 0]], [[2, 2, 5, 2]]):
-        monkeypatch.setattr(layer_mod.MoEPlan, "one_pair", property(lambda plan: False))
-        aligned = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, np.int32)))
-        monkeypatch.undo()
+        ids = (np.array(ids * m) + np.arange(m)[:, None] * (len(ids[0]) - 1)) % E  # tokens share some experts
+        aligned = fused_moe(x, w13, w2, weights, cp.asarray(ids.astype(np.int32)),
+                            plan=dataclasses.replace(plan, one_pair=False))
         for dtype in (np.int32, np.int64):
             calls = []
             monkeypatch.setattr(layer_mod, "moe_align_block_size", lambda *args: calls.append(args))
-            direct = fused_moe(x, w13, w2, weights, cp.asarray(np.array(ids, dtype)))
+            direct = fused_moe(x, w13, w2, weights, cp.asarray(ids.astype(dtype)))
             monkeypatch.undo()
             assert calls == []
             cp.testing.assert_array_equal(direct, aligned)
@@ -270,8 +275,9 @@ def test_fused_moe_with_a_plan_chooses_nothing_and_caches_no_workspace(monkeypat
         plain = fused_moe(x, w13, w2, weights, ids)
         plan = cupy_moe.plan_moe(m, w13, w2, a)
         split += plan.workspace.partials.size > 0
-        assert plan.up == configs.choose_config(m, e, a, h, 2 * inter, 4, 128, 16 if m == 1 else None,
-                                                one_pair=m == 1)
+        one = configs.one_pair_blocks(m, a, (w13.nbytes + w2.nbytes) / e)
+        assert plan.one_pair == one == (m <= 3)
+        assert plan.up == configs.choose_config(m, e, a, h, 2 * inter, 4, 128, 16 if one else None, one_pair=one)
         stream = cp.cuda.Stream(non_blocking=True)  # the plan's workspace is ready for any stream
         cp.cuda.get_current_stream().synchronize()  # the inputs and `plain` were made on this one
 

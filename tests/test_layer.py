@@ -246,19 +246,21 @@ def test_fused_moe_gemm_and_align_numpy_are_the_reference(tmp_path):
 H200 = configs.GpuInfo("Test H200", "sm_90a", 132)
 
 
-@pytest.mark.parametrize("m", [1, 5, 300])
+@pytest.mark.parametrize("m", [1, 3, 5, 300])
 def test_plan_moe_holds_the_configurations_fused_moe_launches(tmp_path, m):
-    """Both phases' configurations as choose_config gives them (16-row blocks, one pair per block at M = 1); no
-    workspace for host weights; the NumPy path takes the plan and gives the reference bitwise."""
+    """Both phases' configurations as choose_config gives them (16-row blocks, one pair per block at M = 1 and, on
+    these small experts, up to configs.one_pair_blocks' 4 tokens); no workspace for host weights; the NumPy path takes
+    the plan and gives the reference bitwise."""
     w = _stacked(tmp_path)
     plan = plan_moe(m, w.w13, w.w2, 2, gpu=H200)
-    block_m = 16 if m == 1 else None
-    up = configs.choose_config(m, E, 2, H, 2 * I, w.w13.bits, w.w13.group_size, block_m, gpu=H200, one_pair=m == 1)
-    down = configs.choose_config(2 * m, E, 1, I, H, w.w2.bits, w.w2.group_size, block_m, gpu=H200,
-                                 one_pair=m == 1)
+    one = m <= 4
+    assert one == configs.one_pair_blocks(m, 2, (w.w13.nbytes + w.w2.nbytes) / E)
+    block_m = 16 if one else None
+    up = configs.choose_config(m, E, 2, H, 2 * I, w.w13.bits, w.w13.group_size, block_m, gpu=H200, one_pair=one)
+    down = configs.choose_config(2 * m, E, 1, I, H, w.w2.bits, w.w2.group_size, block_m, gpu=H200, one_pair=one)
     assert (plan.up, plan.down) == (up, down)
     assert plan.pair_order == configs.down_pair_order(w.w2.bits, down.block_m)
-    assert plan.one_pair == (m == 1) and plan.workspace is None
+    assert plan.one_pair == one and plan.workspace is None
     with pytest.raises(AttributeError):
         plan.up = down
     x = hidden(m)
@@ -266,6 +268,17 @@ def test_plan_moe_holds_the_configurations_fused_moe_launches(tmp_path, m):
                                            True)
     np.testing.assert_array_equal(fused_moe(x, w.w13, w.w2, weights, ids, plan=plan),
                                   reference.fused_moe(x, w.w13, w.w2, weights, ids))
+
+
+def test_shared_experts_keep_the_aligned_list_beyond_one_token(tmp_path):
+    """MoELayer's shared experts run beside the routed ones (a side stream), where skipping the align saves nothing
+    and one block per token takes SMs from the routed experts: their plan takes one pair per block at M = 1 only,
+    though the rule fused_moe applies would take it up to 4 tokens on these weights."""
+    from cupy_moe import layer
+    w = _stacked(tmp_path)
+    for m in (1, 2, 3, 4):
+        assert layer._choose(m, 1, w.w13, w.w2, H200, allocate=False, overlapped=True).one_pair == (m == 1)
+        assert plan_moe(m, w.w13, w.w2, 1, gpu=H200).one_pair
 
 
 def test_fused_moe_refuses_a_plan_of_another_problem(tmp_path):

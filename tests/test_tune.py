@@ -100,10 +100,15 @@ def test_tune_rejects_a_fast_candidate_whose_result_differs(fake):
     assert len(rejected) == 2 and all("64 S=2 (1.0 us, off by 1.0e+00)" in line for line in rejected)
 
 
-def test_tune_times_one_token_as_fused_moe_runs_it(fake):
-    """M = 1 runs one pair per 16-row block without an aligned list (fused_moe's path), so the tuner times exactly
-    that: 16-row candidates only, each launched without an aligned list, the warps-along-K one in 64-k stages."""
-    tune_mod.tune(["tiny"], (1,), reps=1, save=False, log=lambda line: None)
+@pytest.mark.parametrize("m", [1, 3])
+def test_tune_times_one_pair_per_block_as_fused_moe_runs_it(fake, m):
+    """fused_moe runs M = 1, and a few tokens of small experts (configs.one_pair_blocks), with one pair per 16-row
+    block and no aligned list, so the tuner times exactly that: 16-row candidates only, each launched without an
+    aligned list, the warps-along-K one in 64-k stages. More tokens are aligned."""
+    tune_mod.tune(["tiny"], (m,), reps=1, save=False, log=lambda line: None)
     assert fake.launched and all(one_pair and c.block_m == 16 for c, _, one_pair in fake.launched)
     warps_k = {replace(c, split_k=1) for c, *_ in fake.launched if c.warps_k > 1}
     assert warps_k == {configs.DECODE_WK_ONE_PAIR}
+    fake.launched.clear()
+    tune_mod.tune(["tiny"], (5,), reps=1, save=False, log=lambda line: None)
+    assert fake.launched and not any(one_pair for *_, one_pair in fake.launched)

@@ -7,21 +7,22 @@ version's time, so that a refactor can be shown to keep results bitwise and spee
 OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
 package is imported as a second module next to this checkout's `cupy_moe`. Rows are (model, phase, M) as in
 benchmarks/bench_gemm.py, on random weights (4-bit unless --bits 8; G = 128, real zero points) and fp16 activations
-(--dtype bfloat16: bf16), with the routing of each version's own choice (M = 1: one pair per block, as fused_moe runs
-it; 4-bit down on 16-row blocks: pair-ordered activations), and whole-layer rows (`fused_moe`, its own choices, timed
-the same way) at a few M. `--rows` picks which: `gemm` and `layer` by default; `moe_layer` adds, for the models with
-shared experts and at every M, a whole `MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert
-gated), whose router and shared weights come in 4 copies used in turn so that they are not read from L2. Both versions
-see the same inputs; each runs only its public API (`choose_config` for the block size, `moe_align_block_size`,
-`fused_moe_gemm`, `fused_moe`, `MoELayer`), so any two versions since the tile choice took its present signature can
-be compared. Times are graph replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R each
-version is timed R times per row in alternating order and the median counts. Exit status 1 when a checksum differs.
-The same checkout on both sides tests the method, and rows of milliseconds need it (H100, two to four rounds): there
-the same code timed up to 10% apart (Mixtral-8x22B down M = 4096, 3396 against 3756 us), and DeepSeek-V3 gate/up at M
-= 1024 (16-row blocks, 3 ms a call) timed 5-9% faster as "this" in all five runs with the default 10 replays per
-timing, whichever checkout took which side, and within 1.5% in both runs with --reps 30. A version's own tuned tables
-(cupy_moe/configs/tuned/, the user's cache) steer its choices: to compare two versions on the same configurations
-where only one ships a table for this GPU, move that table aside for the run.
+(--dtype bfloat16: bf16), with the routing of each version's own choice (one pair per block where fused_moe runs it
+so: M = 1, and a few tokens of small experts where the version has `configs.one_pair_blocks`; 4-bit down on 16-row
+blocks: pair-ordered activations), and whole-layer rows (`fused_moe`, its own choices, timed the same way) at a few M.
+`--rows` picks which: `gemm` and `layer` by default; `moe_layer` adds, for the models with shared experts and at every
+M, a whole `MoELayer` (routing, routed and shared experts; Qwen2-MoE's shared expert gated), whose router and shared
+weights come in 4 copies used in turn so that they are not read from L2. Both versions see the same inputs; each runs
+only its public API (`choose_config` for the block size, `moe_align_block_size`, `fused_moe_gemm`, `fused_moe`,
+`MoELayer`), so any two versions since the tile choice took its present signature can be compared. Times are graph
+replays (cupy_moe.timing), the two versions interleaved row by row; with --rounds R each version is timed R times per
+row in alternating order and the median counts. Exit status 1 when a checksum differs. The same checkout on both sides
+tests the method, and rows of milliseconds need it (H100, two to four rounds): there the same code timed up to 10%
+apart (Mixtral-8x22B down M = 4096, 3396 against 3756 us), and DeepSeek-V3 gate/up at M = 1024 (16-row blocks, 3 ms a
+call) timed 5-9% faster as "this" in all five runs with the default 10 replays per timing, whichever checkout took
+which side, and within 1.5% in both runs with --reps 30. A version's own tuned tables (cupy_moe/configs/tuned/, the
+user's cache) steer its choices: to compare two versions on the same configurations where only one ships a table for
+this GPU, move that table aside for the run.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from cupy_moe.timing import graph_time
 # (Qwen1.5-MoE-A2.7B gate/up at M = 1: 16 experts, 46 MB), and whether they stay in L2 between replays flipped
 # between the two versions of one run (7.6 against 9.0 us, the same kernel)
 G, ROTATIONS = 128, 8
-LAYER_MS = (1, 8, 64, 256)
+LAYER_MS = (1, 2, 4, 8, 64, 256)
 
 
 def import_other(root: Path):
@@ -69,15 +70,22 @@ def digest(cp, x) -> str:
     return hashlib.sha1(cp.asnumpy(x).tobytes()).hexdigest()[:16]
 
 
-def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n):
-    """(label of the configuration, one zero-argument call per input set, their outputs) for one version."""
+def one_pair(pkg, m, a, layer_bytes):
+    """Whether version `pkg`'s fused_moe runs M tokens with one pair per block (before its one_pair_blocks: M = 1)."""
+    rule = getattr(pkg.configs, "one_pair_blocks", None)
+    return rule(m, a, layer_bytes) if rule is not None else m == 1
+
+
+def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n, single):
+    """(label of the configuration, one zero-argument call per input set, their outputs) for one version; single:
+    one pair per block."""
     rows, top_k = (m, a) if phase == "gate_up" else (m * a, 1)
-    cfg = pkg.configs.choose_config(rows, e, top_k, k, n, weight.bits, G)
+    cfg = pkg.configs.choose_config(rows, e, top_k, k, n, weight.bits, G, **({"one_pair": True} if single else {}))
     pair = phase == "down" and pkg.configs.down_pair_order(weight.bits, cfg.block_m)
     calls, outs = [], []
     for ids, tw, x, act in sets:
         src, pair_ids, weights = (x, ids, None) if phase == "gate_up" else (act, ids.reshape(-1, 1), tw)
-        aligned = ((None, cp.ascontiguousarray(pair_ids), None) if m == 1
+        aligned = ((None, cp.ascontiguousarray(pair_ids), None) if single
                    else pkg.moe_align_block_size(pair_ids, cfg.block_m, e))
         out = cp.zeros((m * a, n), src.dtype)
         calls.append(lambda src=src, al=aligned, w=weights, o=out: pkg.fused_moe_gemm(
@@ -151,7 +159,9 @@ def main(argv=None) -> int:
             for phase, (k, n, _) in phases.items() if "gemm" in kinds else ():
                 row, timed = dict(model=model.name, phase=phase, m=m), {}
                 for v, pkg in versions.items():
-                    label, timed[v], outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n)
+                    single = one_pair(pkg, m, a, sum(w.nbytes for w in drawn.values()) / e)
+                    label, timed[v], outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n,
+                                                        single)
                     timed[v][0]()
                     row[f"{v}_config"], row[f"{v}_checksum"] = label, digest(cp, outs[0])
                 results.append(report(time_rounds(row, timed, args)))

@@ -199,7 +199,7 @@ ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2,
 # the 16-row decode shape with its K slices as the warps of one CTA, in place of split-K
 DECODE_WK = GemmConfig(mt=1, warps_m=1, warps_n=1, ng=1, ku=4, stages=2, warps_k=4)
 SPLIT_WARPS_SHAPES = {16: DECODE_WK}
-# DECODE_WK in 64-k stages, where it takes one pair per block (M = 1, no aligned list)
+# DECODE_WK in 64-k stages, where it takes one pair per block (no aligned list: heuristic rules 7 and 8)
 DECODE_WK_ONE_PAIR = replace(DECODE_WK, ku=2)
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side)
 SWAPPED_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="swapped")  # 32 x 256, 6 x 32 k

@@ -19,8 +19,11 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
    rules 1 and 3 (and an entry of another block size).
 6. The shape runs where its kernel has a variant (`catalogue.fallback`): act-order at a tc block size runs the
    act-order shape, a swapped shape off sm_90a, with act-order or with pair-ordered activations the portable one.
-7. With one pair per block (`one_pair`: M = 1, which reads no aligned list), the warps-along-K shape runs in 64-k
-   stages (DECODE_WK_ONE_PAIR).
+7. With one pair per block (`one_pair`: no aligned list, each pair a 16-row block of its own), the warps-along-K
+   shape runs in 64-k stages (DECODE_WK_ONE_PAIR), and rule 2 counts a block per pair.
+8. fused_moe gives each pair a block of its own (`one_pair_blocks`) at M = 1, and at M <= ONE_PAIR_MAX_TOKENS where,
+   even if every token chose the same experts, the blocks that repeat an expert would read at most
+   ONE_PAIR_EXTRA_BYTES of weights again; otherwise it aligns.
 
 Rules 1 and 3 choose the block size without looking at act-order; rule 2 counts the CTAs per SM of the instance
 that act-order compiles. Every rule and constant was measured on an H200 (132 SMs), SPLIT_TC_MAX on an H100 (132
@@ -36,9 +39,9 @@ from .catalogue import (DECODE_WK, DECODE_WK_ONE_PAIR, HOPPER_SHAPES, KERNEL_SHA
 from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
-__all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order",
+__all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order", "one_pair_blocks",
            "ROWS_16_MAX", "ROWS_64_MAX", "SPLIT_FILL_STAGES", "FULL_WAVE", "SPLIT_TC_MAX",
-           "SPLIT_TC_ROWS_MAX", "WARPS_K_EXTRA_STAGES"]
+           "SPLIT_TC_ROWS_MAX", "WARPS_K_EXTRA_STAGES", "ONE_PAIR_MAX_TOKENS", "ONE_PAIR_EXTRA_BYTES"]
 
 # Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
 # (Mixtral-8x22B gate/up M = 64: 421 against 498 us); at 32 rows the 64-row tile beat it too (Qwen2-57B-A14B gate/up
@@ -67,6 +70,13 @@ SPLIT_TC_ROWS_MAX = 256
 # Rule 4. Splits of 2-4 run as 4 warps along K in 0.82-1.03 of the split time (Mixtral-8x7B down M = 64: 134.4
 # against 162.3 us); a split of 5 on long K (32 stages a warp against 26) lost, 48.6 against 45.3. Negative: never.
 WARPS_K_EXTRA_STAGES = 1
+# Rule 8. Without the align launch (and the GEMMs' wait on the aligned list) the whole layer took 0.84-0.88 of the
+# time on the small-expert rows the rule admits (Qwen3-30B-A3B and Qwen1.5-MoE-A2.7B at M = 2-4, DeepSeek-V2-Lite at
+# M = 2-3; Qwen3-30B-A3B M = 2 27.9 -> 23.5 us) and 0.82-0.95 when every token chose the same experts. On the rows it
+# leaves aligned, 0.91-1.00 with uniform routing but up to 1.93x with the same experts for every token (Qwen3-235B-A22B
+# M = 4 46.7 -> 90.0 us; DeepSeek-V2-Lite M = 4 1.145x, where those blocks reread 81 MB). H100, three rounds.
+ONE_PAIR_MAX_TOKENS = 4
+ONE_PAIR_EXTRA_BYTES = 64 << 20
 
 
 def expected_experts(m: int, e: int, a: int) -> float:
@@ -74,6 +84,14 @@ def expected_experts(m: int, e: int, a: int) -> float:
     Rule 1's r and rule 2's CTA count use it: min(E, M*A) overestimated small batches (Mixtral M = 4: 8 against 5.5;
     the split picks with min(E, M*A) took 1.032 of the fastest split's time, with this 1.016)."""
     return max(1.0, round(e * (1.0 - (1.0 - min(1.0, a / e)) ** max(1, m)), 6))
+
+
+def one_pair_blocks(m: int, a: int, expert_bytes: float) -> bool:
+    """Rule 8: whether fused_moe runs M tokens of top-a experts with one pair per 16-row block and no aligned list
+    (choose_config's one_pair). expert_bytes: one expert's gate/up and down weights. Always at M = 1 (a token's
+    experts are distinct); up to ONE_PAIR_MAX_TOKENS tokens where the blocks that repeat an expert, (M - 1) * a of
+    them when every token chooses the same experts, read at most ONE_PAIR_EXTRA_BYTES again."""
+    return m == 1 or (m <= ONE_PAIR_MAX_TOKENS and (m - 1) * a * expert_bytes <= ONE_PAIR_EXTRA_BYTES)
 
 
 def down_pair_order(bits: int, block_m: int) -> bool:
@@ -86,8 +104,8 @@ def down_pair_order(bits: int, block_m: int) -> bool:
 class _Problem:
     """One phase's rows, touched experts and the grid of each block size on one GPU."""
 
-    def __init__(self, m, e, a, n, gpu: GpuInfo):
-        self.touched = expected_experts(m, e, a)
+    def __init__(self, m, e, a, n, gpu: GpuInfo, one_pair=False):
+        self.touched = max(1, m * a) if one_pair else expected_experts(m, e, a)  # one_pair: a block per pair
         self.rows = max(1, m * a) / self.touched
         self.n, self.gpu = n, gpu
 
@@ -133,10 +151,10 @@ class _Problem:
 
 
 def split_k_estimate(shape: GemmConfig, m: int, e: int, a: int, k: int, n: int, *, gpu: GpuInfo,
-                     act_order: bool = False) -> int:
+                     act_order: bool = False, one_pair: bool = False) -> int:
     """Rule 2's split for `shape` on this problem (arguments as choose_config's): for tests and tuning that run
     other shapes than the catalogue's."""
-    return _Problem(m, e, a, n, gpu).split(shape, k, act_order)
+    return _Problem(m, e, a, n, gpu, one_pair).split(shape, k, act_order)
 
 
 def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size: int, block_m: int | None = None,
@@ -156,7 +174,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     (SPLIT_WARPS_SHAPES, 16-row blocks) runs that shape with split_k CTAs per tile; None lets rule 4 decide. How
     `tune` names its candidates. tuned: False ignores the tuned table (the rules alone). one_pair: each pair has a
     16-row block of its own and the launch reads no aligned list (fused_moe_gemm with sorted_token_ids None, as
-    fused_moe runs M = 1); block_m None or 16 (rule 7).
+    fused_moe runs where `one_pair_blocks` says); block_m None or 16 (rule 7).
     """
     if gpu is None:
         gpu = gpu_info()
@@ -176,7 +194,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
     if warps_k is not None and (split_k is None or warps_k not in warps_k_choices(block_m)):
         raise ValueError(f"warps_k: expected one of {warps_k_choices(block_m)} with a split_k, or None, got "
                          f"warps_k={warps_k!r}, split_k={split_k!r}, block_m={block_m!r}")
-    problem = _Problem(m, e, a, n, gpu)
+    problem = _Problem(m, e, a, n, gpu, one_pair)
     entry = tuned_entry(gpu.name, e, k, n, bits, group_size, m * a) if tuned and split_k is None else None
     if block_m is None:
         block_m = entry[0] if entry is not None else _block_size(problem, k)
