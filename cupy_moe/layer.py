@@ -303,8 +303,8 @@ class MoEPlan:
 def _choose(m, a, w13, w2, gpu, allocate, overlapped=False):
     """The one place where fused_moe's configurations are chosen (`plan_moe`, fused_moe without a plan, and
     MoELayer's shared experts). overlapped: the launches run beside other work (the shared experts' side stream),
-    where skipping the align launch saves no time and the blocks of a repeated expert take SMs from the routed
-    experts (MoELayer at M = 4 took 1.04-1.07x the time with them), so one pair per block only at M = 1."""
+    where the align launch is off the critical path (MoELayer at M = 4 took 1.04-1.07x the time with one block per
+    token there), so one pair per block only at M = 1."""
     e, h, i = w13.num_experts, w13.k, w2.k
     one_pair = m == 1 if overlapped else configs.one_pair_blocks(m, a, (w13.nbytes + w2.nbytes) / e)
     up = configs.choose_config(m, e, a, h, 2 * i, w13.bits, w13.group_size, act_order=w13.g_idx is not None,

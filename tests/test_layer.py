@@ -271,9 +271,9 @@ def test_plan_moe_holds_the_configurations_fused_moe_launches(tmp_path, m):
 
 
 def test_shared_experts_keep_the_aligned_list_beyond_one_token(tmp_path):
-    """MoELayer's shared experts run beside the routed ones (a side stream), where skipping the align saves nothing
-    and one block per token takes SMs from the routed experts: their plan takes one pair per block at M = 1 only,
-    though the rule fused_moe applies would take it up to 4 tokens on these weights."""
+    """MoELayer's shared experts run beside the routed ones (a side stream), where the align is off the critical
+    path: their plan takes one pair per block at M = 1 only, though the rule fused_moe applies would take it up to 4
+    tokens on these weights."""
     from cupy_moe import layer
     w = _stacked(tmp_path)
     for m in (1, 2, 3, 4):
