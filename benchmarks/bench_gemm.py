@@ -81,8 +81,7 @@ def phase_shape(model, phase, m):
 def one_pair(model, m):
     """Whether fused_moe runs M tokens of this model with one pair per block and no aligned list."""
     shape = get_model(model)
-    layer_bytes = sum(expert_nbytes(k, n, BITS, G) for k, n, _ in shape.phases().values())
-    return configs.one_pair_blocks(m, shape.top_k, layer_bytes)
+    return configs.one_pair_blocks(m, shape.top_k, shape.expert_nbytes(BITS, G))
 
 
 def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natural_down=False, gpu=None):

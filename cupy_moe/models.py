@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .weights import expert_nbytes
+
 __all__ = ["ModelShape", "MODELS", "BENCHMARK_MODELS", "get_model", "phase_shapes"]
 
 
@@ -26,6 +28,11 @@ class ModelShape:
     def phases(self) -> dict[str, tuple[int, int, int]]:
         """{"gate_up": (K, N, top_k), "down": (K, N, top_k)} of the two GEMM phases (down runs one row per pair)."""
         return phase_shapes(self.hidden, self.intermediate, self.top_k)
+
+    def expert_nbytes(self, bits: int, group_size: int) -> int:
+        """The bytes of one routed expert's gate/up and down weights at `bits` and `group_size` (weights.expert_nbytes
+        of each phase)."""
+        return sum(expert_nbytes(k, n, bits, group_size) for k, n, _ in self.phases().values())
 
 
 def phase_shapes(hidden: int, intermediate: int, top_k: int) -> dict[str, tuple[int, int, int]]:

@@ -26,7 +26,7 @@ from .gemm import fused_moe_gemm
 from .models import BENCHMARK_MODELS, get_model
 from .reference import to_pair_order
 from .timing import graph_time, weight_copies
-from .weights import StackedGptqWeight, expert_nbytes
+from .weights import StackedGptqWeight
 
 __all__ = ["tune"]
 
@@ -66,7 +66,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
     found, path = {}, None
     for shape in shapes:
         e, a = shape.num_experts, shape.top_k
-        layer_bytes = sum(expert_nbytes(k, n, bits, group_size) for k, n, _ in shape.phases().values())
+        expert_bytes = shape.expert_nbytes(bits, group_size)
         for phase, (k, n, top_k) in shape.phases().items():
             draw = lambda c: StackedGptqWeight.random(e, k, n, bits=bits, group_size=group_size, seed=len(found) + c)
             weight = draw(0)
@@ -80,7 +80,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
-                one_pair = configs.one_pair_blocks(m, a, layer_bytes)  # as fused_moe runs these M tokens
+                one_pair = configs.one_pair_blocks(m, a, expert_bytes)  # as fused_moe runs these M tokens
 
                 def pair_list(ids, block_m):  # (sorted_token_ids, expert_ids, num_tokens_post_padded)
                     return (None, ids, None) if one_pair else moe_align_block_size(ids, block_m, e)

@@ -255,12 +255,10 @@ def test_one_pair_blocks_at_one_token_and_at_a_few_tokens_of_small_experts():
     chose the same experts, would read at most ONE_PAIR_EXTRA_BYTES again; never more tokens."""
     from cupy_moe.configs.heuristic import ONE_PAIR_EXTRA_BYTES, ONE_PAIR_MAX_TOKENS
     from cupy_moe.models import BENCHMARK_MODELS, get_model
-    from cupy_moe.weights import expert_nbytes
 
     def one_pair(model, m):
         shape = get_model(model)
-        layer_bytes = sum(expert_nbytes(k, n, 4, 128) for k, n, _ in shape.phases().values())
-        return configs.one_pair_blocks(m, shape.top_k, layer_bytes)
+        return configs.one_pair_blocks(m, shape.top_k, shape.expert_nbytes(4, 128))
     assert ONE_PAIR_MAX_TOKENS == 4
     assert configs.one_pair_blocks(1, 8, 1e12)  # a token's experts are distinct: nothing is read twice
     ones = {model: [m for m in range(1, 9) if one_pair(model, m)] for model in BENCHMARK_MODELS}

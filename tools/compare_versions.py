@@ -70,10 +70,10 @@ def digest(cp, x) -> str:
     return hashlib.sha1(cp.asnumpy(x).tobytes()).hexdigest()[:16]
 
 
-def one_pair(pkg, m, a, layer_bytes):
+def one_pair(pkg, m, a, expert_bytes):
     """Whether version `pkg`'s fused_moe runs M tokens with one pair per block (before its one_pair_blocks: M = 1)."""
     rule = getattr(pkg.configs, "one_pair_blocks", None)
-    return rule(m, a, layer_bytes) if rule is not None else m == 1
+    return rule(m, a, expert_bytes) if rule is not None else m == 1
 
 
 def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n, single):
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
             for phase, (k, n, _) in phases.items() if "gemm" in kinds else ():
                 row, timed = dict(model=model.name, phase=phase, m=m), {}
                 for v, pkg in versions.items():
-                    single = one_pair(pkg, m, a, sum(w.nbytes for w in drawn.values()) / e)
+                    single = one_pair(pkg, m, a, model.expert_nbytes(args.bits, G))
                     label, timed[v], outs = phase_calls(cp, pkg, weights[phase][v], sets, phase, m, e, a, k, n,
                                                         single)
                     timed[v][0]()
