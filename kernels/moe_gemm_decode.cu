@@ -369,12 +369,14 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // dequantization are those of the plain path. Sums: sw[ng][h][r] = column 4g + 2h + (r >> 1), row 2t + (r & 1);
   // moved into acc's layout after the loop, so the epilogue is shared.
   constexpr bool kCanSwap = BLOCK_M == 16 && !kActOrder;
-  // SWC: with the scale folded and fp16 activations in pair order, a stage's sums of one m16 tile are 4 independent
+  // SWC: with the scale folded and the activations in pair order, a stage's sums of one m16 tile are 4 independent
   // mma chains (k16 step i of the stage adds to chain i % 4), added in a fixed order before the scaling, instead of
-  // one chain of 8 dependent mmas. H200, same run, five rounds: 0.93-1.01 of the time on the 32 down rows at M = 1,
-  // 2, 8 and 16 (median 0.97). With the activations in natural order (4 PRMT per chunk between the mmas) 2 or 4
-  // chains gained nothing (H100, gate/up rows at M = 1: median 1.00 with 2 chains).
-  constexpr int SWC = kFold && kPairA && !kBf16 ? 4 : 1;  // bf16 not timed with 4 chains
+  // one chain of 8 dependent mmas. fp16, H200, same run, five rounds: 0.93-1.01 of the time on the 32 down rows at
+  // M = 1, 2, 8 and 16 (median 0.97). bf16, H100, two runs of three and five rounds against one chain: 0.83-1.04 of
+  // the time on the 40 down rows at M = 1-16 (median 0.97; the three slower rows, 1.02-1.04, are the 64-k-stage shape
+  // of rule 7 at M = 1-2), the whole layer 0.94-1.01 (median 0.99). With the activations in natural order (4 PRMT per
+  // chunk between the mmas) 2 or 4 chains gained nothing (H100, gate/up rows at M = 1: median 1.00 with 2 chains).
+  constexpr int SWC = kFold && kPairA ? 4 : 1;
   float sw[NG][2][4];
   auto compute_n8 = [&](const uint4 (&xs)[KU], int stage, int c0) {
     float part[kFold ? SWC : 1][kFold ? NG : 1][2][4];
