@@ -373,10 +373,12 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   // mma chains (k16 step i of the stage adds to chain i % 4), added in a fixed order before the scaling, instead of
   // one chain of 8 dependent mmas. fp16, H200, same run, five rounds: 0.93-1.01 of the time on the 32 down rows at
   // M = 1, 2, 8 and 16 (median 0.97). bf16, H100, two runs of three and five rounds against one chain: 0.83-1.04 of
-  // the time on the 40 down rows at M = 1-16 (median 0.97; the three slower rows, 1.02-1.04, are the 64-k-stage shape
-  // of rule 7 at M = 1-2), the whole layer 0.94-1.01 (median 0.99). With the activations in natural order (4 PRMT per
-  // chunk between the mmas) 2 or 4 chains gained nothing (H100, gate/up rows at M = 1: median 1.00 with 2 chains).
-  constexpr int SWC = kFold && kPairA ? 4 : 1;
+  // the time on the 40 down rows at M = 1-16 (median 0.97), the whole layer 0.94-1.01 (median 0.99). Only where a
+  // stage has 8 k16 steps (KU 4): in the 64-k stages of rule 7's shape each of 4 chains would be one mma, and one chain
+  // took 0.96-1.00 of the time of 4 on its down rows at M = 1-4 (2 chains: 0.97-1.01; H100, five rounds, both
+  // dtypes). With the activations in natural order (4 PRMT per chunk between the mmas) 2 or 4 chains gained nothing
+  // (H100, gate/up rows at M = 1: median 1.00 with 2 chains).
+  constexpr int SWC = kFold && kPairA && KU >= 4 ? 4 : 1;
   float sw[NG][2][4];
   auto compute_n8 = [&](const uint4 (&xs)[KU], int stage, int c0) {
     float part[kFold ? SWC : 1][kFold ? NG : 1][2][4];
