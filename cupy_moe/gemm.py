@@ -82,11 +82,12 @@ def _scratch(config, k, n, capacity):
 
 
 def _cluster_size(config, split: int) -> int:
-    """The thread-block cluster size of a launch: 2 where its 2 split-K slices form one cluster and add their partial
-    tiles through distributed shared memory (kernels/split_k.cuh), skipping the workspace; else 1. Only the decode
-    kernel's 16-row blocks do, with exactly 2 slices: clusters of 3 to 8 leave CTA slots empty (docs/heuristic.md)."""
-    usable = config.kind == "reg" and config.block_m == 16 and split == 2
-    return 2 if usable and _compile.clusters_available() else 1
+    """The thread-block cluster size of a launch: 2 where its split-K slices form one cluster and add their partial
+    tiles through distributed shared memory (`configs.splits_in_cluster`) on this device, skipping the workspace;
+    else 1."""
+    usable = (split == configs.CLUSTER_SPLIT and _compile.clusters_available()
+              and configs.splits_in_cluster(config, split, configs.gpu_info().hopper))
+    return split if usable else 1
 
 
 class SplitKWorkspace:

@@ -75,6 +75,17 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
   return d;
 }
 
+// Eight fp32 sums of consecutive columns times the routing weight w, rounded once each: one 16-byte store at dst.
+template <bool kBf16>
+__device__ __forceinline__ void store8(unsigned short* dst, const float (&v)[8], float w) {
+  uint4 o;
+  o.x = pack2<kBf16>(v[0] * w, v[1] * w);
+  o.y = pack2<kBf16>(v[2] * w, v[3] * w);
+  o.z = pack2<kBf16>(v[4] * w, v[5] * w);
+  o.w = pack2<kBf16>(v[6] * w, v[7] * w);
+  *reinterpret_cast<uint4*>(dst) = o;
+}
+
 // D += A(16x16, row) * B(16x8, col), fp32 accumulate.
 template <bool kBf16>
 __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {

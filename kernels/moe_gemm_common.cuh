@@ -12,7 +12,8 @@
 // qzeros [E, ceil(K/G), N*bits/32] int32 real zeros or null (symmetric: zero = 2^(bits-1)); g_idx [E, K] or null;
 // sorted [C] pair ids (sentinel P), expert_ids [C/B_M], post_padded [1]; out [P, N] in a's dtype; partials
 // [S, C, N] fp32 and tickets [C/B_M, N/B_N] zeros when split_k > 1 (split_k.cuh; untouched where the launch makes
-// the split_k slices of a tile one thread-block cluster, which moe_gemm's 16-row blocks then reduce in).
+// the split_k slices of a tile one thread-block cluster, which moe_gemm's 16-row blocks and moe_gemm_tc's wgmma
+// variant then reduce in).
 // Blocks whose expert id is outside [0, E) are skipped (num_experts = E), so a bad id never reads past the weights.
 //
 // Tiling: CTA = BLOCK_M (= the align block size) rows of one expert x BLOCK_N columns x one K slice (split-K).

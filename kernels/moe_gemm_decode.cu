@@ -528,12 +528,7 @@ moe_gemm(const unsigned short* __restrict__ a,        // [M, K]
   };
   auto store = [&](int p, int col0, const float (&v)[8]) {
     const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
-    uint4 o;
-    o.x = gptq::pack2<kBf16>(v[0] * w, v[1] * w);
-    o.y = gptq::pack2<kBf16>(v[2] * w, v[3] * w);
-    o.z = gptq::pack2<kBf16>(v[4] * w, v[5] * w);
-    o.w = gptq::pack2<kBf16>(v[6] * w, v[7] * w);
-    *reinterpret_cast<uint4*>(out + static_cast<long long>(p) * N + col0) = o;
+    gptq::store8<kBf16>(out + static_cast<long long>(p) * N + col0, v, w);
   };
 
   if (split_k == 1) {

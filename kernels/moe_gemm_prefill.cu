@@ -15,7 +15,7 @@
 // next step while the tensor cores work; N = BN (BM 128, warpgroup = 64 rows) or BN/2 (BM 64, warpgroup = columns).
 // A pipeline stage is KT such 32-k steps laid out one after the other (and a B buffer KT tiles), so that one barrier
 // and one wgmma wait cover KT steps of tensor work.
-// Split-K: split_k.cuh (fixed-order reduction by the last CTA).
+// Split-K: split_k.cuh (fixed-order reduction by the last CTA, or with kWg inside a cluster of the 2 slices).
 
 #include "hopper.cuh"
 #include "moe_gemm_common.cuh"
@@ -420,6 +420,47 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
           *reinterpret_cast<const uint4*>(tile + r * RW + ((oc ^ (r & 7)) << 2));
     }
     return;
+  }
+
+  // split-K inside a cluster (split_k.cuh; the launcher makes the tile's slices one cluster where it can): each CTA
+  // leaves its fp32 partial tile in its shared memory (free by then), 32-byte pieces of 8 columns, piece j of row r
+  // at j ^ (r & 7) so that a fragment store's 8 rows hit 8 different bank groups; then the slices' CTAs take the
+  // tile's pieces in turn and sum each over the slices in slice order (bitwise the workspace path's sums).
+  if constexpr (kWg) {
+    if (splitk::cluster_size() == split_k) {
+      constexpr int PIECES = BN / 8;
+      static_assert(BM * BN * 4 <= L::kTotal - L::kAlign, "the fp32 tile fits in the kernel's shared memory");
+      float2* tile = reinterpret_cast<float2*>(smem);
+      __syncthreads();  // every warp is past its last wgmma wait
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (pair_of[0][h] < 0) continue;
+        const int r = wm * WTM + g + 8 * h;
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int piece = ((wn * WTN) / 8 + j) ^ (r & 7);
+          tile[(r * PIECES + piece) * 4 + t] = make_float2(acc[0][j][2 * h], acc[0][j][2 * h + 1]);
+        }
+      }
+      splitk::cluster_sync();
+      const unsigned tile_at = gptq::smem_u32(tile);
+      for (int u = blockIdx.z * THREADS + tid; u < BM * PIECES; u += split_k * THREADS) {
+        const int r = u / PIECES, piece = u % PIECES, col = n_base + 8 * piece;
+        const int p = __ldg(sorted + blk * BM + r);
+        if (p < 0 || p >= num_pairs || col >= N) continue;  // rows the writers skipped are never read
+        const unsigned at = tile_at + 32u * (r * PIECES + (piece ^ (r & 7)));
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int s = 0; s < split_k; ++s) {  // fixed order
+          const float4 lo = splitk::ld_cluster16(at, s), hi = splitk::ld_cluster16(at + 16u, s);
+          v[0] += lo.x; v[1] += lo.y; v[2] += lo.z; v[3] += lo.w;
+          v[4] += hi.x; v[5] += hi.y; v[6] += hi.z; v[7] += hi.w;
+        }
+        const float w = topk_weights ? __ldg(topk_weights + p) : 1.f;
+        gptq::store8<kBf16>(out + static_cast<long long>(p) * N + col, v, w);
+      }
+      splitk::cluster_sync();  // no CTA exits while another still reads its tile
+      return;
+    }
   }
 
   // split-K (split_k.cuh): publish this slice's partial tile, then the last CTA of the tile reduces in fixed order

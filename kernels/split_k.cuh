@@ -7,7 +7,8 @@
 // Each kernel walks its own fragments (its accumulator layout); the workspace layout, the ticket protocol and the
 // fixed-order sum are the functions below. A fragment is the tensor-core accumulator pair: 2 consecutive columns of
 // one slot. moe_gemm (8-column rows) uses the ticket protocol only and keeps its own workspace writes and reads.
-// Its 16-row blocks can also reduce inside a thread-block cluster (the second half of this file).
+// Two slices of its 16-row blocks, and of moe_gemm_tc's wgmma tiles, can also reduce inside a thread-block cluster
+// (the second half of this file).
 #pragma once
 
 namespace splitk {

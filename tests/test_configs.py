@@ -56,6 +56,38 @@ def test_tc_tiles_split_only_grids_under_one_wave():
     assert (cfg.kind, cfg.block_m) == ("tc", 64) and cfg.split_k > 1
 
 
+def test_tc_grids_of_a_wave_or_more_split_in_a_cluster_where_that_fills_the_last_wave():
+    # Mixtral-8x22B down M = 256: 64 rows on each of 8 experts, 8 x 24 = 192 CTAs of 128 rows (1.45 waves): 2 slices
+    # in a cluster, 3 waves of half the stages
+    cfg = choose(512, 8, 1, 16384, 6144, 4, 128)
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 128, 2)
+    assert configs.splits_in_cluster(cfg, cfg.split_k, hopper=True)
+    # Mixtral-8x7B down M = 512: 128 +- 10 rows per expert put a second block on about half the experts: 190 CTAs,
+    # not the 128 of the average row count
+    assert choose(1024, 8, 1, 14336, 4096, 4, 128).split_k == 2
+    # Mixtral-8x7B down M = 256: 128 CTAs, one wave; Mixtral-8x22B down M = 1024: 478 CTAs, 3.6 waves: whole
+    assert choose(512, 8, 1, 14336, 4096, 4, 128).split_k == 1
+    assert choose(2048, 8, 1, 16384, 6144, 4, 128).split_k == 1
+    # without clusters for the tc tile (the portable build) or with act-order (moe_gemm shapes): whole, as before
+    assert choose(512, 8, 1, 16384, 6144, 4, 128, hopper=False).split_k == 1
+    assert choose(512, 8, 1, 16384, 6144, 4, 128, act_order=True).split_k == 1
+    assert not configs.splits_in_cluster(configs.PREFILL_128, 2, hopper=False)
+    assert not configs.splits_in_cluster(configs.PREFILL_128, 3, hopper=True)
+
+
+@pytest.mark.parametrize("m,e,a,block_m", [(512, 8, 2, 128), (256, 8, 2, 128), (1024, 128, 8, 64), (3, 8, 2, 16),
+                                           (64, 1, 1, 128), (4096, 60, 4, 128)])
+def test_block_count_follows_the_spread_of_rows_per_expert(m, e, a, block_m):
+    """The tc split counts blocks with the binomial spread of each expert's rows: the mean of
+    sum(ceil(rows / block_m)) over random uniform routings."""
+    rng = np.random.default_rng(m + e)
+    counts = [np.bincount(np.stack([rng.permutation(e)[:a] for _ in range(m)]).ravel(), minlength=e)
+              for _ in range(200)]
+    simulated = np.mean([np.ceil(c / block_m).sum() for c in counts])
+    estimate = heuristic._Problem(m, e, a, 256, H200).blocks(block_m)
+    assert estimate == pytest.approx(simulated, rel=0.03)
+
+
 def test_a_split_64_row_pick_becomes_a_full_wave_of_128_row_tiles():
     # Mixtral-8x7B down M = 128: 32 rows on each of 8 experts. 64-row tiles: 128 CTAs, split; 128-row tiles: 128
     # CTAs, 0.97 of one wave -> 128 rows unsplit

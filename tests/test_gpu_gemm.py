@@ -235,26 +235,29 @@ def test_gemm_deterministic():
         fused_moe_gemm(x, w, s, eids, post, a, config=other)
 
 
-@pytest.mark.parametrize("bits,act_order,dtype_name,one_pair", [
-    (4, False, "float16", False), (4, False, "float16", True), (8, False, "bfloat16", False),
-    (4, True, "float16", False), (4, False, "bfloat16", True)])
-def test_gemm_split_in_cluster(bits, act_order, dtype_name, one_pair, monkeypatch):
-    """2 split-K slices of 16-row blocks add their partial tiles inside a thread-block cluster where the GPU has
-    clusters (split_k.cuh), with no workspace: bitwise the same as through one (the cluster turned off), and the
-    reference's product, in pair order too, with padding rows, one pair per block and a partial last column tile
-    (N = 160)."""
+@pytest.mark.parametrize("block_m,bits,act_order,dtype_name,one_pair", [
+    (16, 4, False, "float16", False), (16, 4, False, "float16", True), (16, 8, False, "bfloat16", False),
+    (16, 4, True, "float16", False), (16, 4, False, "bfloat16", True), (128, 4, False, "float16", False),
+    (128, 8, False, "bfloat16", False), (64, 4, False, "bfloat16", False), (64, 8, False, "float16", False)])
+def test_gemm_split_in_cluster(block_m, bits, act_order, dtype_name, one_pair, monkeypatch):
+    """2 split-K slices add their partial tiles inside a thread-block cluster where the GPU has clusters
+    (split_k.cuh; 16-row blocks, and the tc tiles on sm_90a), with no workspace: bitwise the same as through one
+    (the cluster turned off), and the reference's product, in pair order too, with padding rows, one pair per block
+    and a partial last column tile (N = 160)."""
     from cupy_moe import gemm
     rng = np.random.default_rng(bits + 2 * act_order)
     dt = _dtype(dtype_name)
-    e, m, a, k, n = 5, 1 if one_pair else 6, 3, 2048, 160  # 160 columns: the second 128-column tile is partial
+    # 160 columns: the last column tile is partial; 130 tokens put 64-127 rows on most experts of a tc tile
+    e, m, a, k, n = 5, 1 if one_pair else 6 if block_m == 16 else 130, 3, 2048, 160
     w_host = make_weight(rng, e, k, n, bits, 128, False, act_order)
     w = w_host.to_device()
     x = rng.standard_normal((m, k)).astype(np.float32).astype(dt)
     ids = route(rng, m, e, a, "uniform")
-    lists = (None, cp.asarray(ids), None) if one_pair else moe_align_block_size(cp.asarray(ids), 16, e)
-    cfg = replace(configs.DECODE, split_k=2)
+    lists = (None, cp.asarray(ids), None) if one_pair else moe_align_block_size(cp.asarray(ids), block_m, e)
+    hopper = configs.gpu_info().hopper
+    cfg = configs.fallback(replace(configs.KERNEL_SHAPES[block_m], split_k=2), act_order=act_order, hopper=hopper)
     size = SplitKWorkspace.size(cfg, k, n, m * a, e, one_pair=one_pair)
-    if int(cp.cuda.Device().compute_capability) >= 90:
+    if int(cp.cuda.Device().compute_capability) >= 90 and (block_m == 16 or hopper):
         assert gemm._cluster_size(cfg, 2) == 2
         assert size == (0, 0)  # the cluster never touches a workspace, so the launch asks for none
     ws = SplitKWorkspace.for_launches([size])

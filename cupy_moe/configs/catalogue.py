@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "KERNEL_FILES", "TEMPLATES", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "HOPPER_SHAPES",
            "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_WK", "DECODE_WK_ONE_PAIR",
-           "PREFILL", "PREFILL_128", "SWAPPED_32", "MAX_SPLIT", "TC_COLUMN_BAND", "warps_k_choices", "fallback",
-           "max_split_k", "all_name_expressions"]
+           "PREFILL", "PREFILL_128", "SWAPPED_32", "MAX_SPLIT", "CLUSTER_SPLIT", "TC_COLUMN_BAND", "warps_k_choices",
+           "fallback", "splits_in_cluster", "max_split_k", "all_name_expressions"]
 
 # The CUDA source of each kind (kernels/<file>), and the template each kind instantiates.
 KERNEL_FILES = {"reg": "moe_gemm_decode.cu", "tc": "moe_gemm_prefill.cu", "swapped": "moe_gemm_swapped.cu"}
@@ -40,6 +40,8 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
 SWAPPED_RESIDENT_PER_SM = 2  # the swapped kernel's 32 x 256: about 125 registers x 256 threads
 MAX_SPLIT = 16  # the most K slices (split-K CTAs) of one tile
+# K slices that run as one thread-block cluster (`splits_in_cluster`); clusters of 3 to 8 leave CTA slots empty
+CLUSTER_SPLIT = 2
 # The tc kernel's tile order: CTAs launched one after another take TC_COLUMN_BAND column tiles of a row block before
 # the next row block; 1 = row blocks fastest (why: kernels/moe_gemm_prefill.cu; measured: performance.md, prefill).
 TC_COLUMN_BAND = 16
@@ -221,6 +223,16 @@ def fallback(cfg: GemmConfig, *, act_order: bool, hopper: bool, pair_a: bool = F
     if cfg.kind == "tc" and act_order:
         cfg = replace(ACT_ORDER_SHAPES[cfg.block_m], split_k=cfg.split_k)
     return cfg
+
+
+def splits_in_cluster(cfg: GemmConfig, split: int, hopper: bool) -> bool:
+    """Whether a launch of `cfg` with `split` K slices runs them as one thread-block cluster that adds the partial
+    tiles through distributed shared memory (kernels/split_k.cuh) instead of the workspace, where the device has
+    clusters (compute capability 9.0): CLUSTER_SPLIT slices of the decode kernel's 16-row blocks, or of the tc
+    kernel's wgmma variant (hopper: the sm_90a build)."""
+    if split != CLUSTER_SPLIT:
+        return False
+    return (cfg.kind == "reg" and cfg.block_m == 16) or (cfg.kind == "tc" and hopper)
 
 
 def max_split_k(k: int, ku: int) -> int:

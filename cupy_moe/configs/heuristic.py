@@ -5,8 +5,11 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
 1. block_m = 16 for r <= ROWS_16_MAX (24), 64 for r <= ROWS_64_MAX (56), else 128. No 32-row block by default.
 2. split_k: the fewest K slices (each at least 2 stages, at most MAX_SPLIT) whose estimate
    waves x (stages per slice + SPLIT_FILL_STAGES) is within 5% of the least, with
-   waves = ceil(CTAs x slices / (ctas_per_sm x SM count)). The tc tiles split only grids of less than one wave.
-   Split-K is deterministic: each tile's last CTA sums the fp32 partials in slice order; no atomics on outputs.
+   waves = ceil(CTAs x slices / (ctas_per_sm x SM count)). The tc tiles split so only grids of less than one wave;
+   on sm_90a, where 2 slices of a tc tile add their partials inside a cluster (`splits_in_cluster`), a grid of a wave
+   or more (its blocks counted with the spread of rows per expert) splits 2 ways where that estimate falls to
+   TC_CLUSTER_GAIN of the unsplit one. Split-K is deterministic: each tile's partials are summed in slice order (by
+   its last CTA, or in the cluster); no atomics on outputs.
 3. A split 64-row pick becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE of its waves; a
    64- or 128-row pick with at most SPLIT_TC_ROWS_MAX rows per expert, whose unsplit grid has fewer CTAs than the
    GPU has SMs and that rule 2 would split more than SPLIT_TC_MAX ways (one expert with few column tiles: a shared
@@ -34,8 +37,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from .catalogue import (DECODE_WK, DECODE_WK_ONE_PAIR, HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT, SPLIT_WARPS_SHAPES,
-                        SUPPORTED_BLOCK_M, GemmConfig, fallback, max_split_k, warps_k_choices)
+from .catalogue import (CLUSTER_SPLIT, DECODE_WK, DECODE_WK_ONE_PAIR, HOPPER_SHAPES, KERNEL_SHAPES, MAX_SPLIT,
+                        SPLIT_WARPS_SHAPES, SUPPORTED_BLOCK_M, GemmConfig, fallback, max_split_k, splits_in_cluster,
+                        warps_k_choices)
 from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
@@ -67,6 +71,10 @@ FULL_WAVE = 0.9
 # slice), so the rule stops at the 256 rows per expert (16 blocks) where it was measured.
 SPLIT_TC_MAX = 2
 SPLIT_TC_ROWS_MAX = 256
+# Rule 2. On sm_90a a tc grid of a wave or more splits in 2 (in a cluster) where the estimate falls to this fraction
+# of the unsplit one: 0.76 on the three rows whose 2 slices took 0.79-0.87 of the unsplit time (a half-empty last
+# wave: Mixtral-8x22B down M = 256, 355.9 against 410.6-422.2 us), 0.85-1.02 on those that took 0.92-1.08 (H100).
+TC_CLUSTER_GAIN = 0.8
 # Rule 4. Splits of 2-4 run as 4 warps along K in 0.82-1.03 of the split time (Mixtral-8x7B down M = 64: 134.4
 # against 162.3 us); a split of 5 on long K (32 stages a warp against 26) lost, 48.6 against 45.3. Negative: never.
 WARPS_K_EXTRA_STAGES = 1
@@ -107,7 +115,7 @@ class _Problem:
     def __init__(self, m, e, a, n, gpu: GpuInfo, one_pair=False):
         self.touched = max(1, m * a) if one_pair else expected_experts(m, e, a)  # one_pair: a block per pair
         self.rows = max(1, m * a) / self.touched
-        self.n, self.gpu = n, gpu
+        self.m, self.e, self.a, self.n, self.gpu, self.one_pair = m, e, a, n, gpu, one_pair
 
     def shape(self, block_m: int) -> GemmConfig:
         if self.gpu.hopper and block_m in HOPPER_SHAPES:
@@ -127,12 +135,39 @@ class _Problem:
         ctas, slots = self.ctas(cfg), self.slots(cfg, act_order)
         most = max_split_k(k, cfg.ku)
         stages = -(-max(1, k // 32) // cfg.ku)
-        if cfg.kind == "tc" and ctas >= slots:
+        cost = lambda s: -(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES)
+        if cfg.kind == "tc":
             # a 64- or 128-row tile's fp32 partials cost more than the fill stages: on grids of a wave or more a
-            # 2-way split took 1.04-1.57 of the unsplit time (Qwen2-57B-A14B down M = 256: 310.6 against 212.8 us)
-            most = 1
-        cost = [-(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES) for s in range(1, most + 1)]
-        return next(s for s, c in enumerate(cost, 1) if c <= SPLIT_TOLERANCE * min(cost))
+            # 2-way split through the workspace took 1.04-1.57 of the unsplit time (Qwen2-57B-A14B down M = 256:
+            # 310.6 against 212.8 us). 2 slices in a cluster pay where they fill a last wave (TC_CLUSTER_GAIN); for
+            # them the grid is counted with the spread of rows per expert, which puts a second block on many experts
+            two = replace(cfg, split_k=CLUSTER_SPLIT)
+            if not act_order and CLUSTER_SPLIT <= most and splits_in_cluster(two, CLUSTER_SPLIT, self.gpu.hopper):
+                spread = math.ceil(self.blocks(cfg.block_m) * -(-self.n // cfg.block_n))
+                if spread >= slots:
+                    ctas = spread
+                    return CLUSTER_SPLIT if cost(CLUSTER_SPLIT) <= TC_CLUSTER_GAIN * cost(1) else 1
+            if ctas >= slots:
+                return 1
+        costs = [cost(s) for s in range(1, most + 1)]
+        return next(s for s, c in enumerate(costs, 1) if c <= SPLIT_TOLERANCE * min(costs))
+
+    def blocks(self, block_m: int) -> float:
+        """Blocks of block_m rows the aligned list holds on average under uniform routing: each expert's rows are
+        Binomial(M, A/E) (the down phase: M*A rows, A = 1, nearly the same spread), and an expert takes
+        ceil(rows / block_m) blocks; the tail past each multiple of block_m by the normal approximation. The
+        average row count alone misses the second block of every expert just past a multiple (Mixtral-8x7B down
+        M = 512: 128 +- 10 rows, 1.5 blocks per expert)."""
+        if self.one_pair:
+            return self.touched
+        p = min(1.0, self.a / self.e)
+        mean, sd = self.m * p, math.sqrt(self.m * p * (1.0 - p))
+        per_expert = 1.0 - (1.0 - p) ** self.m  # at least one row
+        edge = block_m
+        while edge < mean + 8.0 * sd + 1.0:
+            per_expert += (mean > edge) if sd == 0.0 else 0.5 * math.erfc((edge + 0.5 - mean) / (sd * math.sqrt(2.0)))
+            edge += block_m
+        return self.e * per_expert
 
     def warps_along_k(self, cfg: GemmConfig, k: int, act_order: bool) -> GemmConfig:
         """Rule 4: SPLIT_WARPS_SHAPES[block_m] in place of a split `cfg` where its warps' slices are at most
