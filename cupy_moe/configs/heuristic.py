@@ -115,7 +115,7 @@ class _Problem:
     def __init__(self, m, e, a, n, gpu: GpuInfo, one_pair=False):
         self.touched = max(1, m * a) if one_pair else expected_experts(m, e, a)  # one_pair: a block per pair
         self.rows = max(1, m * a) / self.touched
-        self.m, self.e, self.a, self.n, self.gpu, self.one_pair = m, e, a, n, gpu, one_pair
+        self.m, self.e, self.a, self.n, self.gpu = m, e, a, n, gpu
 
     def shape(self, block_m: int) -> GemmConfig:
         if self.gpu.hopper and block_m in HOPPER_SHAPES:
@@ -135,7 +135,7 @@ class _Problem:
         ctas, slots = self.ctas(cfg), self.slots(cfg, act_order)
         most = max_split_k(k, cfg.ku)
         stages = -(-max(1, k // 32) // cfg.ku)
-        cost = lambda s: -(-ctas * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES)
+        cost = lambda grid, s: -(-grid * s // slots) * (-(-stages // s) + SPLIT_FILL_STAGES)  # grid: unsplit CTAs
         if cfg.kind == "tc":
             # a 64- or 128-row tile's fp32 partials cost more than the fill stages: on grids of a wave or more a
             # 2-way split through the workspace took 1.04-1.57 of the unsplit time (Qwen2-57B-A14B down M = 256:
@@ -145,21 +145,18 @@ class _Problem:
             if not act_order and CLUSTER_SPLIT <= most and splits_in_cluster(two, CLUSTER_SPLIT, self.gpu.hopper):
                 spread = math.ceil(self.blocks(cfg.block_m) * -(-self.n // cfg.block_n))
                 if spread >= slots:
-                    ctas = spread
-                    return CLUSTER_SPLIT if cost(CLUSTER_SPLIT) <= TC_CLUSTER_GAIN * cost(1) else 1
+                    return CLUSTER_SPLIT if cost(spread, CLUSTER_SPLIT) <= TC_CLUSTER_GAIN * cost(spread, 1) else 1
             if ctas >= slots:
                 return 1
-        costs = [cost(s) for s in range(1, most + 1)]
+        costs = [cost(ctas, s) for s in range(1, most + 1)]
         return next(s for s, c in enumerate(costs, 1) if c <= SPLIT_TOLERANCE * min(costs))
 
     def blocks(self, block_m: int) -> float:
-        """Blocks of block_m rows the aligned list holds on average under uniform routing: each expert's rows are
-        Binomial(M, A/E) (the down phase: M*A rows, A = 1, nearly the same spread), and an expert takes
-        ceil(rows / block_m) blocks; the tail past each multiple of block_m by the normal approximation. The
-        average row count alone misses the second block of every expert just past a multiple (Mixtral-8x7B down
+        """Blocks of block_m rows an aligned list (not one pair per block) holds on average under uniform routing:
+        each expert's rows are Binomial(M, A/E) (the down phase: M*A rows, A = 1, nearly the same spread), and an
+        expert takes ceil(rows / block_m) blocks; the tail past each multiple of block_m by the normal approximation.
+        The average row count alone misses the second block of every expert just past a multiple (Mixtral-8x7B down
         M = 512: 128 +- 10 rows, 1.5 blocks per expert)."""
-        if self.one_pair:
-            return self.touched
         p = min(1.0, self.a / self.e)
         mean, sd = self.m * p, math.sqrt(self.m * p * (1.0 - p))
         per_expert = 1.0 - (1.0 - p) ** self.m  # at least one row
