@@ -37,13 +37,17 @@ def test_accept_keeps_only_changed_configurations_that_won(tmp_path, capsys):
             _row("DeepSeek-V3", "gate_up", 256, "16x2", "16x1", 98.0, 100.0),      # 0.98, within noise: not kept
             dict(model="Mixtral-8x7B", phase="layer", m=256, this_us=1.0, other_us=2.0, this_checksum="a",
                  other_checksum="a")]                                              # layer rows have no key
-    paths = {name: tmp_path / f"{name}.json" for name in ("shipped", "tuned", "race", "out", "merged")}
-    for name, data in (("shipped", shipped), ("tuned", tuned), ("race", rows)):
-        paths[name].write_text(json.dumps(data))
-    assert tool.main(["accept", *(str(paths[n]) for n in ("shipped", "tuned", "race", "out"))]) == 0
-    out = json.loads(paths["out"].read_text())
+    shipped_dir, candidate_dir = tmp_path / "shipped", tmp_path / "candidate"
+    for folder in (shipped_dir, candidate_dir):
+        folder.mkdir()
+        (folder / "NVIDIA_H200.json").write_text(json.dumps(shipped))
+    (tmp_path / "tuned.json").write_text(json.dumps(tuned))
+    (tmp_path / "race.json").write_text(json.dumps(rows))
+    assert tool.main(["accept", str(tmp_path / "tuned.json"), str(tmp_path / "race.json"), str(shipped_dir)]) == 0
+    out = json.loads((shipped_dir / "NVIDIA_H200.json").read_text())
     assert out["gpu"] == "NVIDIA H200"
     assert out["entries"] == {**shipped["entries"], won: entry(128, 2)}
     assert f"keep {won}" in capsys.readouterr().out
-    assert tool.main(["merge", *(str(paths[n]) for n in ("shipped", "tuned", "merged"))]) == 0
-    assert json.loads(paths["merged"].read_text())["entries"] == {**shipped["entries"], **tuned["entries"]}
+    assert tool.main(["merge", str(tmp_path / "tuned.json"), str(candidate_dir)]) == 0
+    merged = json.loads((candidate_dir / "NVIDIA_H200.json").read_text())["entries"]
+    assert merged == {**shipped["entries"], **tuned["entries"]}
