@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bits", type=int, choices=[4, 8], default=4, help="weight bits (default 4)")
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16",
                     help="activations and outputs (bfloat16 needs ml_dtypes)")
-    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--json", type=Path, help="write the rows here (after every row)")
     args = ap.parse_args(argv)
     import cupy as cp
     dtype = np.float16
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
                     timed[v][0]()
                     row[f"{v}_config"], row[f"{v}_checksum"] = label, digest(cp, outs[0])
                 results.append(report(time_rounds(row, timed, args)))
+                save(args.json, results)
             if "layer" in kinds and m in LAYER_MS:
                 row, timed = dict(model=model.name, phase="layer", m=m), {}
                 for v, pkg in versions.items():
@@ -172,6 +173,7 @@ def main(argv=None) -> int:
                                 f(s[2], w13, w2, s[1], s[0]) for s in sets]
                     row[f"{v}_checksum"] = digest(cp, timed[v][0]())
                 results.append(report(time_rounds(row, timed, args)))
+                save(args.json, results)
             if copies:
                 row, timed = dict(model=model.name, phase="MoELayer", m=m), {}
                 for v, pkg in versions.items():
@@ -179,6 +181,7 @@ def main(argv=None) -> int:
                                                [s[2] for s in sets])
                     row[f"{v}_checksum"] = digest(cp, timed[v][0]())
                 results.append(report(time_rounds(row, timed, args)))
+                save(args.json, results)
         del weights, drawn, copies
         cp.get_default_memory_pool().free_all_blocks()
     same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
@@ -190,9 +193,13 @@ def main(argv=None) -> int:
         if ratios.size:
             print(f"# time this/other over {ratios.size} {kind} rows: median {np.median(ratios):.3f}, "
                   f"min {ratios.min():.3f}, max {ratios.max():.3f}")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
     return 0 if same == len(results) else 1
+
+
+def save(path, results) -> None:
+    """Write the rows so far (after every row: a run stopped part of the way keeps what it timed)."""
+    if path:
+        path.write_text(json.dumps(results, indent=1))
 
 
 def time_rounds(row: dict, timed: dict, args) -> dict:
