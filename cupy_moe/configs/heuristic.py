@@ -141,8 +141,7 @@ class _Problem:
             # 2-way split through the workspace took 1.04-1.57 of the unsplit time (Qwen2-57B-A14B down M = 256:
             # 310.6 against 212.8 us). 2 slices in a cluster pay where they fill a last wave (TC_CLUSTER_GAIN); for
             # them the grid is counted with the spread of rows per expert, which puts a second block on many experts
-            two = replace(cfg, split_k=CLUSTER_SPLIT)
-            if not act_order and CLUSTER_SPLIT <= most and splits_in_cluster(two, CLUSTER_SPLIT, self.gpu.hopper):
+            if not act_order and CLUSTER_SPLIT <= most and splits_in_cluster(cfg, CLUSTER_SPLIT, self.gpu.hopper):
                 spread = math.ceil(self.blocks(cfg.block_m) * -(-self.n // cfg.block_n))
                 if spread >= slots:
                     return CLUSTER_SPLIT if cost(spread, CLUSTER_SPLIT) <= TC_CLUSTER_GAIN * cost(spread, 1) else 1
