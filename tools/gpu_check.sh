@@ -15,9 +15,10 @@
 # TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
 # TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
 # tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer. Where pytest-xdist is installed,
-# the test stages run in $WORKERS processes (default 8) on the one GPU; WORKERS=0 runs them in one. Run memcheck after
-# the tests stage, which leaves every kernel in CuPy's disk cache (memcheck alone on a fresh machine, H200, 8 workers:
-# 7 of its tests in 330 s; after the tests stage, H100, 4 workers: 216 in 60 s).
+# the test stages run in $WORKERS processes (default 8) on the one GPU; WORKERS=0 runs them in one. compute-sanitizer
+# follows the worker processes (a kernel writing out of bounds, run by 2 workers under it: 64 reports, exit status 9).
+# Run memcheck after the tests stage, which leaves every kernel in CuPy's disk cache (memcheck alone on a fresh
+# machine, H200, 8 workers: 7 of its tests in 330 s; after the tests stage, H100, 4 workers: all 223 in 70 s).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
