@@ -76,19 +76,24 @@ def test_cubin_is_whole():
 
 
 @pytest.mark.compile
-def test_tc_ablation_variants_compile(monkeypatch):
-    # tools/tc_ablation.py removes statements of the tc kernel's main loop by their text: each must still occur in
-    # the source and every variant must compile (the tool times them on a GPU)
+def test_ablation_variants_compile(monkeypatch):
+    # tools/ablation.py removes statements of the kernels' main loops by their text: each must still occur in the
+    # source and every variant must compile (the tool times them on a GPU)
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "tools" / "tc_ablation.py"
-    spec = importlib.util.spec_from_file_location("tc_ablation", path)
+    path = Path(__file__).resolve().parents[1] / "tools" / "ablation.py"
+    spec = importlib.util.spec_from_file_location("ablation", path)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
-    name = configs.PREFILL_128.name_expression(False, 4, False, 128, hopper=True)
+    names = {"tc": [configs.PREFILL_128.name_expression(False, 4, False, 128, hopper=True)],
+             "reg": [configs.DECODE.name_expression(False, 4, False, 128, hopper=True, pair_a=True),
+                     configs.DECODE_WK_ONE_PAIR.name_expression(False, 4, False, 128, hopper=True)]}
+    assert set(names) == set(tool.VARIANTS)
     monkeypatch.setattr(_compile, "_source", _compile._source)  # the tool swaps it; restored after the test
-    for variant, removed in tool.VARIANTS.items():
-        tool.use_variant(removed)
-        report = _compile.parse_ptxas_report(_compile.compile_for_arch(tool.SOURCE, [name], "sm_90a"))
-        assert len(report) == 1, f"{variant}: expected one kernel in the ptxas report, got {report}"
-    tool.use_variant(())
+    for kind, (source_file, variants) in tool.VARIANTS.items():
+        for variant, removed in variants.items():
+            tool.use_variant(source_file, removed)
+            report = _compile.parse_ptxas_report(_compile.compile_for_arch(source_file, names[kind], "sm_90a"))
+            assert len(report) == len(names[kind]), f"{kind} {variant}: expected {len(names[kind])} kernels in the " \
+                                                    f"ptxas report, got {report}"
+        tool.use_variant(source_file, ())

@@ -1,0 +1,167 @@
+"""What limits the GEMM kernels: the same launch timed with parts of its main loop compiled out.
+
+    python tools/ablation.py [--models Mixtral-8x7B,...] [--phases gate_up,down] [--m 1024,4096] [--json FILE]
+
+Per row (model, phase, M), built as benchmarks/bench_gemm.py builds it (4-bit weights, G = 128, real zero points,
+fp16, the pair list and activation order fused_moe gives that M, routings and weight copies rotated against L2),
+the kernel of the configuration `choose_config` gives is compiled once as it ships and once per variant of that
+kernel below, with the named statements removed from its source before NVRTC sees it, and every build is timed on
+the same inputs (a CUDA graph of one call per input set, median replay, the builds interleaved over --rounds
+rounds). The variants compute garbage; only their times mean something. Rows on the swapped-operand kernel
+(32-row blocks) are skipped.
+
+The tc kernel (`moe_gemm_tc`, 64- and 128-row blocks; its wgmma path, so sm_90a only):
+- no dequant: the raw words are copied but never dequantized (wgmma reads whatever the B tiles hold);
+- no dequant, no weight copies: as above, and the raw qweight rows are not copied either;
+- skeleton: no dequantization and no copies at all: barriers, wgmma and the epilogue;
+- no wgmma: copies and dequantization, no tensor work;
+- copies only: no wgmma and no dequantization;
+- no proxy fence: as shipped but without the fence.proxy.async each thread runs before the barrier that hands a stage
+  to wgmma (what the fence itself costs; without it wgmma may read a tile before it is visible to it).
+Its rows also give the bytes its CTAs copy from L2 into shared memory per call: every row of a block once per column
+tile (K * 2 bytes each) and the expert's packed weights once per block, with the group's scales and zero words again
+at every 32-k step; "copies only" moves exactly those bytes (and stores the outputs), so its time gives the rate at
+which the CTAs' copies stream.
+
+The decode kernel (`moe_gemm`, 16-row blocks):
+- copies only: each warp's ring of weight, scale and zero copies and its waits, no dequantization and no mma;
+- compute only: no weight copies; the dequantization and mma run on whatever the ring holds;
+- skeleton: neither: launch, prologue, the warps-along-K sum and the epilogue.
+
+Each time is printed with a floor over it, as bench_gemm.py counts them: for tc rows the FLOP floor (FLOPs over the
+fp16 matmul rate measured here, so 1.0 = that rate), for decode rows the traffic floor (bytes over the copy bandwidth
+measured here).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from cupy_moe import _compile, configs
+from cupy_moe.models import BENCHMARK_MODELS, get_model
+from cupy_moe.timing import copy_bandwidth, graph_time, matmul_rate
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_gemm  # noqa: E402  (the rows as the benchmark builds them)
+
+# statements of each kernel's main loop that a variant removes (each must occur in the source; each is replaced by
+# an empty statement, so that a removed loop body leaves a loop)
+_TC_DEQUANT = ("if (it + 1 < nsteps) dequant(rd1, (it + 1) & 1);", "if (nsteps > 0) dequant(0, 0);")
+_TC_WEIGHT_COPIES = ("gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, q_src[i], true);",)
+_TC_OTHER_COPIES = ("gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);",
+                    "if (x_do) gptq::cp_async16(st + x_dst, in ? x_src : reinterpret_cast<const unsigned char*>"
+                    "(qweight), in);")
+_TC_WGMMA = ("gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64_at(a_desc0 + (ka >> 4)),\n"
+             "                                       gptq::wg_desc_sw64_at(b_desc0 + (kb >> 4)));",)
+_TC_FENCE = ("if constexpr (kWg) gptq::fence_proxy_async_smem();  // this thread's A copies and B stores -> wgmma "
+             "reads",)
+_DECODE_COMPUTE = ("compute(cur, stage, c0);", "compute_n8(xs, stage, c0);")
+_DECODE_COPIES = ("issue_weights(s, c_begin + s * KU);",
+                  "issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);")
+# {kind: (kernels/ file, {variant: statements removed})}
+VARIANTS = {
+    "tc": (configs.KERNEL_FILES["tc"], {
+        "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant, no weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
+        "skeleton": _TC_DEQUANT + _TC_WEIGHT_COPIES + _TC_OTHER_COPIES, "no wgmma": _TC_WGMMA,
+        "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE}),
+    "reg": (configs.KERNEL_FILES["reg"], {
+        "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
+        "skeleton": _DECODE_COMPUTE + _DECODE_COPIES}),
+}
+
+_shipped_source = _compile._source
+
+
+def use_variant(source_file: str, removed: tuple[str, ...]) -> None:
+    """Make the next compile of kernels/`source_file` drop `removed` (and forget the kernels compiled so far)."""
+    def source(filename: str) -> str:
+        text = _shipped_source(filename)
+        if filename == source_file:
+            for statement in removed:
+                if statement not in text:
+                    sys.exit(f"{source_file} no longer contains {statement!r}: update this tool's statement lists")
+                text = text.replace(statement, ";")
+        return text
+    _compile._source = source
+    _compile._module.cache_clear()
+    _compile._kernel.cache_clear()
+
+
+def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: int, gpu) -> dict | None:
+    r = bench_gemm.prepare_row(model, phase, m, gpu=gpu)
+    cfg = r.cfg
+    if cfg.kind not in VARIANTS:
+        print(f"{model} {phase} M = {m}: {cfg.spec}, a kernel without variants here: skipped", flush=True)
+        return None
+    source_file, variants = VARIANTS[cfg.kind]
+    calls = [lambda i=i: r.call(i) for i in range(len(r.sets))]
+    times = {name: [] for name in variants}
+    for rnd in range(rounds):
+        for name in (variants if rnd % 2 == 0 else reversed(variants)):
+            use_variant(source_file, variants[name])
+            times[name].append(graph_time(calls, reps=8, warmup=2))
+    use_variant(source_file, ())
+    result = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    touched = float(np.mean([s[6] for s in r.sets]))
+    floor_us = (2.0 * r.p * r.k * r.n / mm_rate if cfg.kind == "tc" else
+                (touched * r.w_bytes_expert + r.rows * r.k * 2 + r.p * r.n * 2) / copy_bw) * 1e6
+    head = f"{model} {phase} M = {m} ({cfg.spec}"
+    copied = None
+    if cfg.kind == "tc":
+        blocks = float(np.mean([int(s[3][0]) // cfg.block_m for s in r.sets]))
+        tiles_n = -(-r.n // cfg.block_n)
+        w_block = (r.k // 32) * r.n * (32 * bench_gemm.BITS / 8 + 2 + bench_gemm.BITS / 8)  # per 32-k step
+        copied = r.p * r.k * 2 * tiles_n + blocks * w_block
+        head += (f", {blocks:.0f} blocks x {tiles_n} column tiles; copies {copied / 1e9:.2f} GB per call, "
+                 f"{copied / result['copies only'] / 1e6:.2f} TB/s in 'copies only'")
+    print(head + "):", flush=True)
+    for name, t in result.items():
+        print(f"    {name:30s} {t:10.2f} us  {floor_us / t:5.2f}", flush=True)
+    return dict(model=model, phase=phase, m=m, config=cfg.spec, floor_us=floor_us, copied_bytes=copied,
+                times_us=result)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=",".join(BENCHMARK_MODELS))
+    ap.add_argument("--phases", default="gate_up,down")
+    ap.add_argument("--m", default="1024,4096", help="token counts, comma-separated")
+    ap.add_argument("--rounds", type=int, default=2, help="timings of each build per row (alternating order)")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    args = ap.parse_args(argv)
+    try:
+        models = [get_model(name).name for name in args.models.split(",")]
+        ms = [int(v) for v in args.m.split(",")]
+    except ValueError as exc:
+        ap.error(str(exc))
+    phases = args.phases.split(",")
+    if any(p not in ("gate_up", "down") for p in phases):
+        ap.error(f"--phases: expected gate_up and/or down, comma-separated, got {args.phases!r}")
+    if args.rounds < 1:
+        ap.error(f"--rounds: expected a positive int, got {args.rounds}")
+    import cupy as cp
+    gpu = configs.gpu_info()
+    if not gpu.hopper:
+        sys.exit(f"{gpu.name}: the tc variants remove statements of the wgmma path, which runs on sm_90a only")
+    copy_bw, mm_rate = copy_bandwidth(), matmul_rate()
+    print(f"# {gpu.name}, copy {copy_bw / 1e12:.2f} TB/s, cupy.matmul fp16 8192^3 {mm_rate / 1e12:.0f} TFLOP/s; "
+          "per build: time, floor / time (tc rows: the FLOP floor; decode rows: the traffic floor)")
+    out = []
+    for model in models:
+        for phase in phases:
+            for m in ms:
+                r = row(model, phase, m, copy_bw, mm_rate, args.rounds, gpu)
+                cp.get_default_memory_pool().free_all_blocks()
+                if r is not None:
+                    out.append(r)
+    if args.json:
+        args.json.write_text(json.dumps(dict(gpu=gpu.name, copy_bw=copy_bw, mm_rate=mm_rate, rows=out), indent=1))
+
+
+if __name__ == "__main__":
+    main()
