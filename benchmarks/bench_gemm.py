@@ -127,6 +127,13 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
                            sets=sets, w_bytes_expert=w_bytes_expert, call=call)
 
 
+def traffic_and_flops(r):
+    """(bytes, FLOPs) that the floors count for one call of a prepare_row row: the touched experts' packed weights
+    (the mean over the routings), the activation rows read and the outputs written; 2 * P * K * N."""
+    touched = float(np.mean([st[6] for st in r.sets]))
+    return touched * r.w_bytes_expert + r.rows * r.k * 2 + r.p * r.n * 2, 2.0 * r.p * r.k * r.n
+
+
 def checksum(r):
     """SHA-1 of the output bytes of one call on input set 0."""
     r.call(0)
@@ -136,12 +143,10 @@ def checksum(r):
 def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True, dtype=np.float16, tiles=(),
               natural_down=False, checksums=False):
     r = prepare_row(model, phase, m, rotations, dtype, tiles, natural_down)
-    k, n, p, sets = r.k, r.n, r.p, r.sets
+    k, n = r.k, r.n
     t = graph_time([lambda i=i: r.call(i) for i in range(rotations)], reps=max(5, iters // 2), warmup=2)
     t_base = baseline_time(r, iters) if baseline else float("nan")
-    touched = float(np.mean([st[6] for st in sets]))
-    traffic = touched * r.w_bytes_expert + r.rows * k * 2 + p * n * 2
-    flops = 2.0 * p * k * n
+    traffic, flops = traffic_and_flops(r)
     floor_t, flop_t = traffic / copy_bw, flops / mm_rate
     row = dict(model=model, phase=phase, m=m, k=k, n=n, block_m=r.cfg.block_m, block_n=r.cfg.block_n,
                kind=r.cfg.kind, warps_k=r.cfg.warps_k, shape=r.cfg.short_name, split_k=r.cfg.split_k,

@@ -107,9 +107,8 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
             times[name].append(graph_time(calls, reps=8, warmup=2))
     use_variant(source_file, ())
     result = {name: statistics.median(t) * 1e6 for name, t in times.items()}
-    touched = float(np.mean([s[6] for s in r.sets]))
-    floor_us = (2.0 * r.p * r.k * r.n / mm_rate if cfg.kind == "tc" else
-                (touched * r.w_bytes_expert + r.rows * r.k * 2 + r.p * r.n * 2) / copy_bw) * 1e6
+    traffic, flops = bench_gemm.traffic_and_flops(r)
+    floor_us = (flops / mm_rate if cfg.kind == "tc" else traffic / copy_bw) * 1e6
     head = f"{model} {phase} M = {m} ({cfg.spec}"
     copied = None
     if cfg.kind == "tc":
