@@ -15,17 +15,20 @@
 # TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
 # TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
 # tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer. Where pytest-xdist is installed,
-# the test stages run in $WORKERS processes (default 8) on the one GPU; WORKERS=0 runs them in one. compute-sanitizer
-# follows the worker processes (a kernel writing out of bounds, run by 2 workers under it: 64 reports, exit status 9).
-# Run memcheck after the tests stage, which leaves every kernel in CuPy's disk cache (memcheck alone on a fresh
-# machine, H200, 8 workers: 7 of its tests in 330 s; after the tests stage, H100, 4 workers: all 223 in 70 s).
+# the tests stage runs in $WORKERS processes (default 8) on the one GPU and memcheck in $MEMCHECK_WORKERS (default 4);
+# 0 runs a stage in one. compute-sanitizer follows the worker processes (a kernel writing out of bounds, run by 2
+# workers under it: 64 reports, exit status 9). Run memcheck after the tests stage, which leaves every kernel in
+# CuPy's disk cache (memcheck alone on a fresh machine, H200, 8 workers: 7 of its tests in 330 s; after the tests
+# stage, H100: all 223 in 70-79 s with 4 workers, and not done in 150 s with 8).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 STAGES=${STAGES:-tests,memcheck,bench,compare,layer,routing,demo,tune,examples}
-workers=${WORKERS:-8}
-python3 -c "import xdist" 2>/dev/null && ((workers > 0)) && export PYTEST_ADDOPTS="-n $workers ${PYTEST_ADDOPTS:-}"
+xdist() {  # xdist N: pytest options that spread a stage over N processes, where pytest-xdist is installed
+  python3 -c "import xdist" 2>/dev/null && (($1 > 0)) && echo "-n $1"
+}
+tests_workers=$(xdist "${WORKERS:-8}") memcheck_workers=$(xdist "${MEMCHECK_WORKERS:-4}")
 summary=("$(nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>&1)")
 
 stage() {  # stage NAME TIMEOUT LOG COMMAND...
@@ -49,10 +52,10 @@ stage ncu "${NCU_TIMEOUT:-400}" "$OUT/ncu.txt" bash -c '
   done' "${NCU_ROWS:-Qwen3-30B-A3B:gate_up:1,Mixtral-8x7B:gate_up:64,Mixtral-8x7B:gate_up:256,Mixtral-8x7B:gate_up:4096}" "$OUT"
 stage ablation "${ABLATION_TIMEOUT:-300}" "$OUT/ablation.txt" \
   python3 tools/ablation.py --json "$OUT/ablation.json" ${ABLATION_ARGS:---m 1024,4096}
-stage tests "${TESTS_TIMEOUT:-900}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider ${TESTS_ARGS:-tests}
+stage tests "${TESTS_TIMEOUT:-900}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider $tests_workers ${TESTS_ARGS:-tests}
 stage memcheck "${MEMCHECK_TIMEOUT:-400}" "$OUT/memcheck.log" \
   compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
-  python3 -m pytest -q -p no:cacheprovider -m gpu ${MEMCHECK_ARGS:-tests/test_gpu_gemm.py tests/test_gpu_align.py tests/test_gpu_layer.py -k "not large and not 2_pow_24"}
+  python3 -m pytest -q -p no:cacheprovider $memcheck_workers -m gpu ${MEMCHECK_ARGS:-tests/test_gpu_gemm.py tests/test_gpu_align.py tests/test_gpu_layer.py -k "not large and not 2_pow_24"}
 stage bench "${BENCH_TIMEOUT:-550}" "$OUT/bench.txt" \
   python3 benchmarks/bench_gemm.py --targets roofline --json "$OUT/bench.json" ${BENCH_ARGS:-}
 [[ -f $OUT/bench.json ]] && python3 benchmarks/plot_bench.py "$OUT/bench.json" "$OUT/performance.png" >> "$OUT/bench.txt" 2>&1
