@@ -9,8 +9,8 @@ Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activa
 - FLOP floor: 2*P*K*N over the cupy.matmul fp16 8192^3 rate measured here; roofline = the larger floor, and the
   `roof` column is roofline / time;
 - baseline: per touched expert, dequantize to fp16 (one elementwise kernel) + cupy.matmul on its rows.
-Each row runs the configuration `choose_config` gives (`--tiles` swaps in other shapes of the same block sizes, passed
-as `config=`). Rows take the pair list `fused_moe` gives their model at that M (`configs.one_pair_blocks`): at M = 1,
+Each row runs the configuration `choose_config` gives (`--block-m B` asks it for B-row blocks; `--tiles` swaps in
+other shapes of the same block sizes, passed as `config=`). Rows take the pair list `fused_moe` gives their model at that M (`configs.one_pair_blocks`): at M = 1,
 and at a few tokens of small experts, one pair per block, topk_ids as the expert ids, no aligned list; otherwise the
 aligned list of moe_align_block_size (made before timing). Down rows on 16-row blocks take their activations in pair
 order (`a_pair_order`), as fused_moe's silu-and-mul writes them there (configs.down_pair_order; --natural-down: in
@@ -84,21 +84,17 @@ def one_pair(model, m):
     return configs.one_pair_blocks(m, shape.top_k, shape.expert_nbytes(BITS, G))
 
 
-def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natural_down=False, gpu=None):
-    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2), the
-    activations and outputs in `dtype` (np.float16 or ml_dtypes.bfloat16). Returns a namespace with the shapes,
-    the configuration, the inputs and `call(i)`, which runs our GEMM on input set i % rotations.
-    tiles: GemmConfigs that replace the chosen shape of their block size (the split from the split estimate)."""
+def row_config(model, phase, m, gpu, tiles=(), natural_down=False, block_m=None):
+    """(configuration, pair-ordered activations, one pair per block) of one benchmark row on `gpu` (a GpuInfo):
+    what fused_moe would launch, on `block_m`-row blocks where given (rows with one pair per block keep their
+    16-row blocks), with `tiles` (GemmConfigs) replacing the shape of their block size, split by the estimate."""
     shape = get_model(model)
-    e, a_top = shape.num_experts, shape.top_k
-    k, n, top_k, rows, w_bytes_expert = phase_shape(model, phase, m)
-    p = rows * top_k
-    rng = np.random.default_rng(m * 7 + len(model))
-    copies = weight_copies(w_bytes_expert * e)
-    weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
-    gpu = gpu or configs.gpu_info()
+    e = shape.num_experts
+    k, n, top_k, rows, _ = phase_shape(model, phase, m)
     single = one_pair(model, m)  # fused_moe's pair list at this M
-    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, gpu=gpu, one_pair=single)
+    if single:
+        block_m = None
+    cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, block_m, gpu=gpu, one_pair=single)
     # the layout fused_moe's silu-and-mul gives this block size (the values are random either way)
     pair = phase == "down" and configs.down_pair_order(BITS, cfg.block_m) and not natural_down
     cfg = configs.choose_config(rows, e, top_k, k, n, BITS, G, cfg.block_m, gpu=gpu, pair_a=pair, one_pair=single)
@@ -106,6 +102,22 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
         if tile.block_m == cfg.block_m:
             split = configs.split_k_estimate(tile, rows, e, top_k, k, n, gpu=gpu, one_pair=single)
             cfg = configs.fallback(replace(tile, split_k=split), act_order=False, hopper=gpu.hopper, pair_a=pair)
+    return cfg, pair, single
+
+
+def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natural_down=False, gpu=None,
+                block_m=None):
+    """The inputs of one benchmark row: `rotations` routings (and weight copies where they would fit in L2), the
+    activations and outputs in `dtype` (np.float16 or ml_dtypes.bfloat16). Returns a namespace with the shapes,
+    the configuration (`row_config`), the inputs and `call(i)`, which runs our GEMM on input set i % rotations."""
+    shape = get_model(model)
+    e, a_top = shape.num_experts, shape.top_k
+    k, n, top_k, rows, w_bytes_expert = phase_shape(model, phase, m)
+    p = rows * top_k
+    rng = np.random.default_rng(m * 7 + len(model))
+    copies = weight_copies(w_bytes_expert * e)
+    weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
+    cfg, pair, single = row_config(model, phase, m, gpu or configs.gpu_info(), tiles, natural_down, block_m)
     sets = []
     for r in range(rotations):
         ids = np.stack([rng.permutation(e)[:a_top] for _ in range(m)]).astype(np.int32)  # [M, A] routing
@@ -141,8 +153,8 @@ def checksum(r):
 
 
 def bench_row(model, phase, m, copy_bw, mm_rate, iters, rotations=8, baseline=True, dtype=np.float16, tiles=(),
-              natural_down=False, checksums=False):
-    r = prepare_row(model, phase, m, rotations, dtype, tiles, natural_down)
+              natural_down=False, checksums=False, block_m=None):
+    r = prepare_row(model, phase, m, rotations, dtype, tiles, natural_down, block_m=block_m)
     k, n = r.k, r.n
     t = graph_time([lambda i=i: r.call(i) for i in range(rotations)], reps=max(5, iters // 2), warmup=2)
     t_base = baseline_time(r, iters) if baseline else float("nan")
@@ -213,6 +225,9 @@ def main(argv=None, prog=None):
     ap.add_argument("--tiles", type=tile_list, default=[],
                     help="run other shapes of the same block sizes, ';'-separated GemmConfig specs, e.g. "
                          "'reg:1,1,4,1,4,4,1;tc:2,2,4,2,1,4,1' (kind:mt,warps_m,warps_n,ng,ku,stages,warps_k)")
+    ap.add_argument("--block-m", type=int, choices=configs.SUPPORTED_BLOCK_M, default=None,
+                    help="run every row on blocks of this many rows, with the shape and split the rules give that "
+                         "size (--tiles then swaps its shape); rows with one pair per block keep 16")
     ap.add_argument("--no-baseline", action="store_true", help="skip the dequantize + matmul baseline (A/B runs)")
     ap.add_argument("--natural-down", action="store_true",
                     help="down rows read their activations in natural order instead of fused_moe's pair order")
@@ -234,6 +249,8 @@ def main(argv=None, prog=None):
     if args.dtype == "bfloat16":
         import ml_dtypes
         dtype = ml_dtypes.bfloat16
+    if args.block_m:
+        print(f"# blocks of {args.block_m} rows")
     for tile in tiles:
         print(f"# tiles: {tile.spec} for {tile.block_m}-row blocks")
     if args.natural_down:
@@ -253,7 +270,8 @@ def main(argv=None, prog=None):
     with progress_bar(total=len(problems), unit="row", desc="measuring", leave=False) as bar:
         for model, phase, m in problems:
             row = bench_row(model, phase, m, copy_bw, mm_rate, args.iters, baseline=not args.no_baseline,
-                            dtype=dtype, tiles=tiles, natural_down=args.natural_down, checksums=args.checksums)
+                            dtype=dtype, tiles=tiles, natural_down=args.natural_down, checksums=args.checksums,
+                            block_m=args.block_m)
             if args.targets:
                 row["target_us"] = target_us(row, args.targets)
                 row["pass"] = row["target_us"] is None or row["time_us"] <= row["target_us"]

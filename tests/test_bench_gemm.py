@@ -36,3 +36,29 @@ def test_row_floors_and_rates_follow_from_its_bytes_flops_and_time(monkeypatch):
     assert out["roofline_ratio"] == pytest.approx(max(traffic / 1e9, flops / 1e12) / 2e-6)
     assert out["tbps"] == pytest.approx(traffic / 2e-6 / 1e12) and out["tflops"] == pytest.approx(flops / 2e-6 / 1e12)
     assert out["config"] == configs.DECODE.spec and out["k"] == 64 and out["n"] == 32
+
+
+def test_row_config_runs_the_block_size_asked_for():
+    bench = _bench_gemm()
+    hopper, portable = configs.GpuInfo("Test H200", "sm_90a", 132), configs.GpuInfo("Test sm_90", "sm_90", 132)
+    # Qwen2-57B-A14B at M = 256: about 32 rows per expert, which the rules give 64-row blocks
+    cfg, pair, single = bench.row_config("Qwen2-57B-A14B", "gate_up", 256, hopper)
+    assert cfg.block_m == 64 and not pair and not single
+    cfg, _, _ = bench.row_config("Qwen2-57B-A14B", "gate_up", 256, hopper, block_m=32)
+    assert cfg.block_m == 32 and cfg.kind == "swapped"
+    cfg, _, _ = bench.row_config("Qwen2-57B-A14B", "gate_up", 256, portable, block_m=32)
+    assert cfg.block_m == 32 and cfg.kind == "reg"
+    # --tiles swaps the shape of the block size asked for, and only that one
+    tile = configs.GemmConfig.from_spec("swapped:2,1,8,2,2,4,1")
+    cfg, _, _ = bench.row_config("Qwen2-57B-A14B", "down", 256, hopper, tiles=[tile], block_m=32)
+    assert (cfg.kind, cfg.block_m, cfg.ku, cfg.stages) == ("swapped", 32, 2, 4)
+    cfg, _, _ = bench.row_config("Qwen2-57B-A14B", "down", 256, hopper, tiles=[tile])
+    assert cfg.block_m == 64 and cfg.kind == "tc"
+    # down rows on 16-row blocks read pair-ordered activations, on other block sizes natural ones
+    cfg, pair, _ = bench.row_config("Qwen2-57B-A14B", "down", 64, hopper, block_m=16)
+    assert cfg.block_m == 16 and pair
+    cfg, pair, _ = bench.row_config("Qwen2-57B-A14B", "down", 64, hopper, block_m=32)
+    assert cfg.block_m == 32 and not pair
+    # one pair per block (M = 1) keeps its 16-row blocks
+    cfg, _, single = bench.row_config("Qwen2-57B-A14B", "gate_up", 1, hopper, block_m=64)
+    assert single and cfg.block_m == 16
