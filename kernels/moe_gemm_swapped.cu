@@ -15,10 +15,10 @@
 // columns g and g + 8 of each tile, whose raw words came in 4-byte loads that used a quarter of each wavefront.)
 // Per 32-k step a ring of NS stages (KT steps each) filled by cp.async holds the activation rows [T][32] (the 64-byte
 // swizzled K-major layout of the tc kernel, now the wgmma B operand), the raw qweight rows [bits][BN], the scales
-// [BN] and the zero words. Each thread turns its columns' words into A fragments (two register sets, so that the next
-// stage is dequantized while the tensor cores still read the current one), and the warpgroup issues MW x 2 m64nTk16
-// ops per step with them.
-// Main loop as in the tc kernel's wgmma path: LOOK = NS - 2 stages in flight, one barrier per stage.
+// [BN] and the zero words. Each thread turns its columns' words into A fragments, one 32-k step at a time into one of
+// two register sets, so that the next step is dequantized while the tensor cores still read the current one (whatever
+// KT: a set per step of the stage would cost one CTA per SM), and the warpgroup issues MW x 2 m64nTk16 ops per step.
+// Main loop as in the tc kernel's wgmma path: LOOK = NS - 2 stages in flight, one wait, fence and barrier per stage.
 // Split-K: split_k.cuh.
 
 #include "hopper.cuh"
@@ -163,52 +163,51 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
   const u32 sel = gptq::frag_select(kBits, t);
   gptq::GroupConst fc[NC];
   int group_left = 0;  // chunks left in the group of the constants in fc
-  using Frag = u32[KT][MW][2][4];  // [step][m64 tile][k16 half][register]
-  auto dequant = [&](int slot, int c0, Frag& fr) {
+  int group_next = chunks_per_group - c_begin % chunks_per_group;  // chunks of the next group met (the slice's first)
+  using Frag = u32[MW][2][4];  // one 32-k step: [m64 tile][k16 half][register]
+  // step s of the stage in ring slot `slot` -> fr
+  auto dequant = [&](int slot, int s, Frag& fr) {
+    const unsigned char* st = smem + slot * L::kStage + s * L::kStep;
+    if (group_left == 0) {  // first chunk of a group (or of the slice): this step's scales and zeros
+      group_left = group_next;
+      group_next = chunks_per_group;
 #pragma unroll
-    for (int s = 0; s < KT; ++s) {
-      const unsigned char* st = smem + slot * L::kStage + s * L::kStep;
-      if (group_left == 0) {  // first chunk of a group (or of the slice): this step's scales and zeros
-        const int c = c0 + s;
-        group_left = chunks_per_group - c % chunks_per_group;
-#pragma unroll
-        for (int ci = 0; ci < NC; ++ci) {
-          const int col = col0 + ci;
-          const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[col];
-          int zc = kSymZero;
-          if (qz_e) {
-            const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[col * kBits / 32];
-            zc = kBits == 4 ? (zw >> (4 * (col & 7))) & 15u : (zw >> (8 * (col & 3))) & 255u;
-          }
-          fc[ci] = gptq::group_const<kBf16>(sb, zc);
+      for (int ci = 0; ci < NC; ++ci) {
+        const int col = col0 + ci;
+        const unsigned short sb = reinterpret_cast<const unsigned short*>(st + L::kA + L::kQ)[col];
+        int zc = kSymZero;
+        if (qz_e) {
+          const u32 zw = reinterpret_cast<const u32*>(st + L::kA + L::kQ + L::kS)[col * kBits / 32];
+          zc = kBits == 4 ? (zw >> (4 * (col & 7))) & 15u : (zw >> (8 * (col & 3))) & 255u;
         }
+        fc[ci] = gptq::group_const<kBf16>(sb, zc);
       }
-      --group_left;
-      // the lane's raw words: qweight rows i (4-bit) or 2i + (t >> 1) (8-bit) of its NC columns, one load per row
-      u32 w[NC][4];
+    }
+    --group_left;
+    // the lane's raw words: qweight rows i (4-bit) or 2i + (t >> 1) (8-bit) of its NC columns, one load per row
+    u32 w[NC][4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const unsigned char* q = st + L::kA + (kBits == 4 ? i : 2 * i + (t >> 1)) * L::kQRow + col0 * 4;
-        if constexpr (NC == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(q);
-          w[0][i] = v.x; w[1][i] = v.y; w[2][i] = v.z; w[3][i] = v.w;
-        } else {
-          const uint2 v = *reinterpret_cast<const uint2*>(q);
-          w[0][i] = v.x; w[1][i] = v.y;
-        }
+    for (int i = 0; i < 4; ++i) {
+      const unsigned char* q = st + L::kA + (kBits == 4 ? i : 2 * i + (t >> 1)) * L::kQRow + col0 * 4;
+      if constexpr (NC == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(q);
+        w[0][i] = v.x; w[1][i] = v.y; w[2][i] = v.z; w[3][i] = v.w;
+      } else {
+        const uint2 v = *reinterpret_cast<const uint2*>(q);
+        w[0][i] = v.x; w[1][i] = v.y;
       }
+    }
 #pragma unroll
-      for (int mw = 0; mw < MW; ++mw) {
-        u32 f0[4], f1[4];  // columns 2 mw and 2 mw + 1 of the lane (m64 rows g and g + 8)
-        gptq::frag_words<kBf16, kBits>(w[2 * mw], t, sel, fc[2 * mw], f0);
-        gptq::frag_words<kBf16, kBits>(w[2 * mw + 1], t, sel, fc[2 * mw + 1], f1);
+    for (int mw = 0; mw < MW; ++mw) {
+      u32 f0[4], f1[4];  // columns 2 mw and 2 mw + 1 of the lane (m64 rows g and g + 8)
+      gptq::frag_words<kBf16, kBits>(w[2 * mw], t, sel, fc[2 * mw], f0);
+      gptq::frag_words<kBf16, kBits>(w[2 * mw + 1], t, sel, fc[2 * mw + 1], f1);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          fr[s][mw][h][0] = f0[2 * h];
-          fr[s][mw][h][1] = f1[2 * h];
-          fr[s][mw][h][2] = f0[2 * h + 1];
-          fr[s][mw][h][3] = f1[2 * h + 1];
-        }
+      for (int h = 0; h < 2; ++h) {
+        fr[mw][h][0] = f0[2 * h];
+        fr[mw][h][1] = f1[2 * h];
+        fr[mw][h][2] = f0[2 * h + 1];
+        fr[mw][h][3] = f1[2 * h + 1];
       }
     }
   };
@@ -221,18 +220,16 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mw][j][r] = 0.f;
 
-  auto wg_issue = [&](int slot, const Frag& fr) {
+  auto wg_issue = [&](int slot, int s, const Frag& fr) {
 #pragma unroll
     for (int mw = 0; mw < MW; ++mw) gptq::wg_fence_operands(acc[mw]);
     gptq::wg_fence();
 #pragma unroll
-    for (int s = 0; s < KT; ++s)
+    for (int h = 0; h < 2; ++h) {
+      const unsigned long long desc = gptq::wg_desc_sw64(smem_base + slot * L::kStage + s * L::kStep + 32 * h);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned long long desc = gptq::wg_desc_sw64(smem_base + slot * L::kStage + s * L::kStep + 32 * h);
-#pragma unroll
-        for (int mw = 0; mw < MW; ++mw) gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[s][mw][h], desc);
-      }
+      for (int mw = 0; mw < MW; ++mw) gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[mw][h], desc);
+    }
     gptq::wg_commit();
   };
 
@@ -246,25 +243,41 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
   Frag fr0, fr1;
   gptq::cp_async_wait<LOOK - 1>();
   __syncthreads();
-  if (nsteps > 0) dequant(0, c_begin, fr0);
+  if (nsteps > 0) dequant(0, 0, fr0);
   int rd = 0;
-  // iteration it: tensor work of stage it from `cur` while stage it+1 is dequantized into `nxt`
-  auto body = [&](int it, const Frag& cur, Frag& nxt) {
+  // stage it: one wait, fence and barrier, then per 32-k step s the tensor work of step s from one register set
+  // while step s + 1 (or the next stage's first step) is dequantized into the other. Steps alternate between fr0
+  // and fr1; with KT even every stage starts on fr0.
+  auto body = [&](int it, Frag& even, Frag& odd) {
     gptq::cp_async_wait<LOOK - 2>();
     gptq::fence_proxy_async_smem();  // this thread's activation copies -> wgmma reads
     __syncthreads();
     const int nx = it + LOOK;
     if (nx < nsteps) issue(rd + LOOK < NS ? rd + LOOK : rd + LOOK - NS, c_begin + nx * KT);
     gptq::cp_async_commit();
-    wg_issue(rd, cur);
-    gptq::wg_wait<1>();  // stage it-1's ops are done: `nxt` may be overwritten
     const int rd1 = rd + 1 == NS ? 0 : rd + 1;
-    if (it + 1 < nsteps) dequant(rd1, c_begin + (it + 1) * KT, nxt);
+#pragma unroll
+    for (int s = 0; s < KT; ++s) {
+      wg_issue(rd, s, s % 2 == 0 ? even : odd);
+      gptq::wg_wait<1>();  // step s-1's ops are done: its register set may be overwritten
+      Frag& nxt = s % 2 == 0 ? odd : even;
+      if (s + 1 < KT) {
+        dequant(rd, s + 1, nxt);
+      } else if (it + 1 < nsteps) {
+        dequant(rd1, 0, nxt);
+      }
+    }
     rd = rd1;
   };
   for (int it = 0; it < nsteps; it += 2) {
     body(it, fr0, fr1);
-    if (it + 1 < nsteps) body(it + 1, fr1, fr0);
+    if (it + 1 < nsteps) {
+      if constexpr (KT % 2 == 0) {
+        body(it + 1, fr0, fr1);
+      } else {
+        body(it + 1, fr1, fr0);
+      }
+    }
   }
   gptq::cp_async_wait<0>();
   gptq::wg_wait<0>();

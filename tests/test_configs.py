@@ -146,8 +146,8 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
     assert (ws.kind, ws.block_m, ws.block_n, ws.short_name) == ("swapped", 32, 256, "32s")
     assert choose(88, 8, 2, 4096, 28672, 4, 128, block_m=32, hopper=False).kind == "reg"
     assert choose(1, 8, 2, 4096, 28672, 4, 128, hopper=True).kind == "reg"  # 16-row blocks stay
-    # DeepSeek-V2-Lite down M = 256: 64 blocks x 8 tiles of 256 columns, 44 steps; 2 CTAs per SM (264 slots):
-    # one slice (2 waves of 46) beats 2 (4 x 24) and 3 (6 x 17)
+    # DeepSeek-V2-Lite down M = 256: 64 blocks x 8 tiles of 256 columns, 22 stages of 64 k; 2 CTAs per SM (264
+    # slots), with SPLIT_FILL_STAGES = 4: one slice (2 waves of 22 + 4) beats 2 (4 x 15) and 3 (6 x 12)
     assert choose(1536, 64, 1, 1408, 2048, 4, 128, hopper=True).split_k == 1
     # act-order or another GPU: the portable shape of the block size, split kept; the plan says so itself
     cfg = configs.fallback(ws, act_order=True, hopper=True)
@@ -158,7 +158,7 @@ def test_hopper_runs_the_swapped_kernel_for_32_row_blocks():
     assert choose(88, 8, 2, 4096, 28672, 4, 128, block_m=32, act_order=True).kind == "reg"
     assert choose(88, 8, 2, 4096, 28672, 4, 128, block_m=32, pair_a=True).kind == "reg"
     name, smem = ws.name_expression(False, 4, False, 128, hopper=True), ws.smem_bytes(4, hopper=True)
-    assert name == f"{configs.TEMPLATES['swapped']}<false, 4, 32, 2, 6, 1>" and smem == 6 * 7168 + 1024
+    assert name == f"{configs.TEMPLATES['swapped']}<false, 4, 32, 2, 6, 2>" and smem == 6 * 2 * 7168 + 1024
     assert name in configs.all_name_expressions("sm_90a") and name not in configs.all_name_expressions("sm_80")
 
 

@@ -204,7 +204,7 @@ SPLIT_WARPS_SHAPES = {16: DECODE_WK}
 # DECODE_WK in 64-k stages, where it takes one pair per block (no aligned list: heuristic rules 7 and 8)
 DECODE_WK_ONE_PAIR = replace(DECODE_WK, ku=2)
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side)
-SWAPPED_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=1, stages=6, kind="swapped")  # 32 x 256, 6 x 32 k
+SWAPPED_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=2, stages=6, kind="swapped")  # 32 x 256, 6 x 64 k
 HOPPER_SHAPES = {32: SWAPPED_32}
 
 
