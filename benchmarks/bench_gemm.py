@@ -10,11 +10,11 @@ Per row (model, phase, M), 4-bit weights, G = 128, real zero points, fp16 activa
   `roof` column is roofline / time;
 - baseline: per touched expert, dequantize to fp16 (one elementwise kernel) + cupy.matmul on its rows.
 Each row runs the configuration `choose_config` gives (`--block-m B` asks it for B-row blocks; `--tiles` swaps in
-other shapes of the same block sizes, passed as `config=`). Rows take the pair list `fused_moe` gives their model at that M (`configs.one_pair_blocks`): at M = 1,
-and at a few tokens of small experts, one pair per block, topk_ids as the expert ids, no aligned list; otherwise the
-aligned list of moe_align_block_size (made before timing). Down rows on 16-row blocks take their activations in pair
-order (`a_pair_order`), as fused_moe's silu-and-mul writes them there (configs.down_pair_order; --natural-down: in
-natural order, for an A/B).
+other shapes of the same block sizes, passed as `config=`). Rows take the pair list `fused_moe` gives their model at
+that M (`configs.one_pair_blocks`): at M = 1, and at a few tokens of small experts, one pair per block, topk_ids as
+the expert ids, no aligned list; otherwise the aligned list of moe_align_block_size (made before timing). Down rows
+on 16-row blocks take their activations in pair order (`a_pair_order`), as fused_moe's silu-and-mul writes them
+there (configs.down_pair_order; --natural-down: in natural order, for an A/B).
 Timing: `cupy_moe.timing.graph_time`, a CUDA graph that holds one call per input set, replayed after warm-up; the
 median replay over the number of calls. The sets rotate among several routings (and weight copies when the weights
 would fit in L2), so L2 does not flatter small problems. The baseline is timed eagerly (events per call).
