@@ -38,7 +38,7 @@ RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
 # moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng, warps_k): 16 x 128 and 16 x 32 x 4
 # at most 128 registers, 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
-SWAPPED_RESIDENT_PER_SM = 2  # the swapped kernel's 32 x 256: about 125 registers x 256 threads
+SWAPPED_RESIDENT_PER_SM = 2  # the swapped kernel's 32 x 256: 128 registers x 256 threads (fp16, 4 bits)
 MAX_SPLIT = 16  # the most K slices (split-K CTAs) of one tile
 # K slices that run as one thread-block cluster (`splits_in_cluster`); clusters of 3 to 8 leave CTA slots empty
 CLUSTER_SPLIT = 2
