@@ -19,7 +19,7 @@
 # 0 runs a stage in one. compute-sanitizer follows the worker processes (a kernel writing out of bounds, run by 2
 # workers under it: 64 reports, exit status 9). Run memcheck after the tests stage, which leaves every kernel in
 # CuPy's disk cache (memcheck alone on a fresh machine, H200, 8 workers: 7 of its tests in 330 s; after the tests
-# stage, H100: all 223 in 70-79 s with 4 workers, and not done in 150 s with 8).
+# stage, H100: all 223 in 70-85 s with 4 workers, and not done in 150 s with 8).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
