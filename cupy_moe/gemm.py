@@ -233,7 +233,7 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
     weight: StackedGptqWeight on the device (it validates its own arrays): bits 4 or 8, K and N multiples of 32,
         group_size G -1 or a multiple of 32.
     sorted_token_ids int32 [C], expert_ids int32 [C/B], num_tokens_post_padded int32 [1]: from
-        `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 32, 64 or 128;
+        `moe_align_block_size(topk_ids, B, E)`; B = C / (C/B) must be a supported block_m (16, 32, 48, 64 or 128;
         `config.block_m` of `configs.choose_config(...)` says which to use). Never read on the host. In each block
         the pairs come first and the padding (the sentinel P) after them, as the align writes them: the kernels
         take a block's first padding slot for its end (the reference raises on a pair after padding).

@@ -80,6 +80,7 @@ __device__ __forceinline__ void wg_fence_operands(float (&d)[NT][4]) {
 #define CUPY_MOE_ACC16(d, o) CUPY_MOE_ACC8(d, o), CUPY_MOE_ACC8(d, o + 8)
 #define CUPY_MOE_REGS_0_7 "%0, %1, %2, %3, %4, %5, %6, %7"
 #define CUPY_MOE_REGS_0_15 CUPY_MOE_REGS_0_7 ", %8, %9, %10, %11, %12, %13, %14, %15"
+#define CUPY_MOE_REGS_0_23 CUPY_MOE_REGS_0_15 ", %16, %17, %18, %19, %20, %21, %22, %23"
 #define CUPY_MOE_REGS_0_31 CUPY_MOE_REGS_0_15 ", %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 #define CUPY_MOE_REGS_0_63 CUPY_MOE_REGS_0_31 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 #define CUPY_MOE_REGS_64_127 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
@@ -122,18 +123,21 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], unsigned long
 }
 
 // The same with A in registers: a[0..3] is the mma.sync m16n8k16 A fragment of warp w's rows 16w .. 16w + 15 (rows
-// g, g + 8 x k 2t, 2t + 1 in a[0], a[1]; k 2t + 8, 2t + 9 in a[2], a[3]); N = 16, 32, 64 or 128. The registers of a
+// g, g + 8 x k 2t, 2t + 1 in a[0], a[1]; k 2t + 8, 2t + 9 in a[2], a[3]); N = 16, 32, 48, 64 or 128. The registers of a
 // must keep their values until a wg_wait retires the op.
 template <bool kBf16, int N>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 8][4], const unsigned (&a)[4],
                                                 unsigned long long desc_b) {
-  static_assert(N == 16 || N == 32 || N == 64 || N == 128, "wgmma width");
+  static_assert(N == 16 || N == 32 || N == 48 || N == 64 || N == 128, "wgmma width");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define CUPY_MOE_RS(TY)                                                                                         \
   if constexpr (N == 16) {                                                                                      \
     CUPY_MOE_WGMMA_RS(16, TY, CUPY_MOE_REGS_0_7, "%8, %9, %10, %11", "%12", "%13", CUPY_MOE_ACC2(d, 0));       \
   } else if constexpr (N == 32) {                                                                               \
     CUPY_MOE_WGMMA_RS(32, TY, CUPY_MOE_REGS_0_15, "%16, %17, %18, %19", "%20", "%21", CUPY_MOE_ACC4(d, 0));    \
+  } else if constexpr (N == 48) {                                                                               \
+    CUPY_MOE_WGMMA_RS(48, TY, CUPY_MOE_REGS_0_23, "%24, %25, %26, %27", "%28", "%29", CUPY_MOE_ACC4(d, 0),       \
+                      CUPY_MOE_ACC2(d, 4));                                                                     \
   } else if constexpr (N == 64) {                                                                               \
     CUPY_MOE_WGMMA_RS(64, TY, CUPY_MOE_REGS_0_31, "%32, %33, %34, %35", "%36", "%37", CUPY_MOE_ACC8(d, 0));    \
   } else {                                                                                                      \
@@ -154,6 +158,7 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 8][4], const unsi
 #undef CUPY_MOE_REGS_64_127
 #undef CUPY_MOE_REGS_0_63
 #undef CUPY_MOE_REGS_0_31
+#undef CUPY_MOE_REGS_0_23
 #undef CUPY_MOE_REGS_0_15
 #undef CUPY_MOE_REGS_0_7
 #undef CUPY_MOE_ACC16

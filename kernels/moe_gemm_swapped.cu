@@ -20,6 +20,8 @@
 // KT: a set per step of the stage would cost one CTA per SM), and the warpgroup issues MW x 2 m64nTk16 ops per step.
 // Main loop as in the tc kernel's wgmma path: LOOK = NS - 2 stages in flight, one wait, fence and barrier per stage.
 // Split-K: split_k.cuh.
+// Launch bound: two CTAs per SM at T = 48, whose 48 accumulators per thread (MW 2) would otherwise take 136
+// registers and leave one (ptxas, sm_90a, 4 bits: 128 registers and 20-32 bytes spilled); the other T keep theirs.
 
 #include "hopper.cuh"
 #include "moe_gemm_common.cuh"
@@ -38,7 +40,7 @@ struct SwappedSmem {
 };
 
 template <bool kBf16, int kBits, int T, int MW, int NS, int KT>
-__global__ void __launch_bounds__(256)
+__global__ void __launch_bounds__(256, T == 48 ? 2 : 1)
 moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
             const int* __restrict__ qweight,             // [E, K*bits/32, N]
             const unsigned short* __restrict__ scales,   // [E, groups, N] fp16 bits
@@ -55,7 +57,7 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
             int split_k, int chunks_per_split, int num_experts) {
   constexpr int BN = 128 * MW, THREADS = 256, NJ = T / 8, NC = 2 * MW;
   using L = SwappedSmem<T, BN, kBits, NS, KT>;
-  static_assert(T == 16 || T == 32 || T == 64 || T == 128, "T");
+  static_assert(T == 16 || T == 32 || T == 48 || T == 64 || T == 128, "T");
   static_assert(MW == 1 || MW == 2, "MW");
   static_assert(gptq::kHaveWgmma, "moe_gemm_swapped: sm_90a only");
   extern __shared__ uint4 smem_dyn[];

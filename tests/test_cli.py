@@ -452,7 +452,7 @@ BENCH_ERRORS = [
     (["--tiles", "garbage"], "argument --tiles: expected 'kind:mt,warps_m,warps_n,ng,ku,stages,warps_k[/split_k]', "
                              "got 'garbage'"),
     (["--dtype", "float32"], "argument --dtype: invalid choice: 'float32'"),
-    (["--block-m", "48"], "argument --block-m: invalid choice: 48"),
+    (["--block-m", "96"], "argument --block-m: invalid choice: 96"),
     (["--phases", "up"], "argument --phases: expected gate_up and/or down, comma-separated, got 'up'"),
     (["--json", "/no/such/folder/x.json"], "argument --json: expected a file in an existing folder"),
     (["--dtype", "bfloat16"], "argument --dtype: expected float16 without --no-baseline"),

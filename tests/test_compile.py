@@ -1,4 +1,5 @@
-"""Every kernel instance compiles with NVRTC for sm_80 and sm_90(a), with no register spill. CPU only."""
+"""Every kernel instance compiles with NVRTC for sm_80 and sm_90(a), with no register spill but the one bounded and
+measured below. CPU only."""
 import pytest
 
 pytest.importorskip("cupy")
@@ -26,7 +27,14 @@ def test_compiles_without_spills(filename, arch):
     log = _compile.compile_for_arch(filename, names, arch)
     report = _compile.parse_ptxas_report(log)
     assert len(report) == len(names), f"expected {len(names)} kernels in the ptxas report, got {len(report)}:\n{log}"
-    spills = {k: v for k, v in report.items() if v.get("spill_stores") or v.get("spill_loads") or v.get("stack")}
+    # The swapped kernel's 48-row blocks run two CTAs per SM at 128 registers (its launch bound), which costs a few
+    # loop-invariant values reloaded from L1: at most 32 bytes. Without the bound they take 147 registers and one CTA
+    # per SM, and 1.10-1.33x the time (docs/heuristic.md, the swapped kernel).
+    lowered = dict(line[3:].split(" -> ") for line in log.splitlines() if line.startswith("// "))
+    bounded = {low for name, low in lowered.items() if name.startswith("moe_gemm_swapped<") and ", 48, " in name}
+    assert bounded or filename != "moe_gemm_swapped.cu" or arch != "sm_90a"
+    spills = {k: v for k, v in report.items() if (v.get("spill_stores") or v.get("spill_loads") or v.get("stack"))
+              and not (k in bounded and max(v.get("spill_stores", 0), v.get("stack", 0)) <= 32)}
     assert not spills, f"register spills / stack frames for {arch}: {spills}"
     assert all(v.get("registers", 0) <= 255 for v in report.values())
 

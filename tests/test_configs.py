@@ -39,7 +39,10 @@ def test_heuristic_block_sizes_follow_rows_per_expert():
     assert choose(1, 8, 2, 4096, 28672, 4, 128).block_m == 16
     assert choose(64, 8, 2, 4096, 28672, 4, 128).block_m == 16       # 16 rows per expert
     assert choose(96, 8, 2, 4096, 28672, 4, 128).block_m == 16       # 24 rows per expert
-    assert choose(100, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 25 rows per expert
+    assert choose(100, 8, 2, 4096, 28672, 4, 128).block_m == 48      # 25 rows per expert (sm_90a)
+    assert choose(144, 8, 2, 4096, 28672, 4, 128).block_m == 48      # 36 rows per expert (sm_90a)
+    assert choose(148, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 37 rows per expert
+    assert choose(100, 8, 2, 4096, 28672, 4, 128, hopper=False).block_m == 64  # no 48-row block off sm_90a
     assert choose(224, 8, 2, 4096, 28672, 4, 128).block_m == 64      # 56 rows per expert
     assert choose(232, 8, 2, 4096, 28672, 4, 128).block_m == 128     # 58 rows per expert
     assert choose(4096, 8, 2, 4096, 28672, 4, 128).block_m == 128    # 1024 rows per expert
@@ -110,9 +113,12 @@ def test_small_tc_grids_that_would_split_far_take_16_row_blocks():
     # M = 1024: split 2 ways at most -> the tc tile stays
     cfg = choose(1024, 1, 1, 5632, 2048, 4, 128)
     assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 128, 2)
-    # Mixtral-8x22B down M = 128: 192 CTAs of 64 rows, more than the SMs -> stays 64 rows, split 4 ways
-    cfg = choose(256, 8, 1, 16384, 6144, 4, 128)
+    # Mixtral-8x22B down M = 128: 192 CTAs of 64 rows, more than the SMs -> stays 64 rows, split 4 ways; on sm_90a
+    # 48-row blocks of the swapped kernel, split 4 ways as well
+    cfg = choose(256, 8, 1, 16384, 6144, 4, 128, hopper=False)
     assert (cfg.kind, cfg.block_m, cfg.split_k) == ("tc", 64, 4)
+    cfg = choose(256, 8, 1, 16384, 6144, 4, 128)
+    assert (cfg.kind, cfg.block_m, cfg.split_k) == ("swapped", 48, 4)
 
 
 def test_split_estimate_counts_expected_experts_and_ctas_per_sm(fake_gpu):
@@ -351,10 +357,10 @@ def test_shipped_tables_are_valid_tables_of_their_gpu():
 
 def test_invalid_or_corrupt_tables_are_ignored(fake_gpu, tmp_path):
     key = configs.tuning_key(8, 4096, 4096, 4, 128, 2)
-    with pytest.raises(ValueError, match=r"entries: expected a block_m of \(16, 32, 64, 128\)"):
-        configs.save_tuned("Fake GPU", {key: {"block_m": 48, "split_k": 3}})
+    with pytest.raises(ValueError, match=r"entries: expected a block_m of \(16, 32, 48, 64, 128\)"):
+        configs.save_tuned("Fake GPU", {key: {"block_m": 96, "split_k": 3}})
     path = tmp_path / "Fake_GPU.json"
-    path.write_text(json.dumps({"gpu": "Fake GPU", "entries": {key: {"block_m": 48, "split_k": 3}}}))
+    path.write_text(json.dumps({"gpu": "Fake GPU", "entries": {key: {"block_m": 96, "split_k": 3}}}))
     with pytest.warns(UserWarning, match="ignoring 1 entries"):
         assert choose(1, 8, 2, 4096, 4096, 4, 128, gpu=fake_gpu).block_m == 16
     for text, why in (("{not json", "ignoring the tuned table"), ('{"Fake GPU": {}}', "expected {\"gpu\"")):
@@ -387,8 +393,8 @@ def test_without_a_gpu_the_target_must_be_given():
 
 
 def test_choice_arguments_are_checked():
-    with pytest.raises(ValueError, match=r"block_m: expected one of \(16, 32, 64, 128\) or None, got 48"):
-        choose(1, 8, 2, 4096, 4096, 4, 128, block_m=48)
+    with pytest.raises(ValueError, match=r"block_m: expected one of \(16, 32, 48, 64, 128\) or None, got 96"):
+        choose(1, 8, 2, 4096, 4096, 4, 128, block_m=96)
     with pytest.raises(ValueError, match="split_k: expected an int in"):
         choose(1, 8, 2, 4096, 4096, 4, 128, split_k=2)  # a split needs its block size
     with pytest.raises(ValueError, match="split_k: expected an int in"):
@@ -407,7 +413,8 @@ def test_choice_arguments_are_checked():
 
 def test_config_specs_round_trip():
     for cfg in (configs.DECODE, replace(configs.DECODE, ku=2, stages=3, split_k=5), configs.PREFILL,
-                configs.PREFILL_128, configs.DECODE_WK, configs.DECODE_WK_ONE_PAIR, configs.SWAPPED_32):
+                configs.PREFILL_128, configs.DECODE_WK, configs.DECODE_WK_ONE_PAIR, configs.SWAPPED_32,
+                configs.DECODE_48, configs.SWAPPED_48):
         assert configs.GemmConfig.from_spec(cfg.spec) == cfg
     assert configs.DECODE.spec == "reg:1,1,4,1,4,2,1/1"
     assert configs.GemmConfig.from_spec("tc:2,2,4,2,1,6,1") == configs.PREFILL
@@ -429,7 +436,8 @@ def test_launched_configurations_match_the_recorded_ones():
     recorded one (tests/data/launched_configs.txt): kernels' results are bitwise the same as long as this holds."""
     shapes, rows = _launched_configs()
     assert len(rows) > 200
-    flags = [(h, act, pair, bm) for h in (0, 1) for act in (0, 1) for pair in (0, 1) for bm in (None, 16, 32, 64, 128)]
+    flags = [(h, act, pair, bm) for h in (0, 1) for act in (0, 1) for pair in (0, 1)
+             for bm in (None, 16, 32, 48, 64, 128)]
     for name, phase, m, *codes in rows:
         model = MODELS[name]
         k, n, top_k = model.phases()[phase]

@@ -74,7 +74,7 @@ def cases(draw):
     return dict(e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=group_size, sym=draw(st.booleans()),
                 act_order=draw(st.booleans()), dtype_name=draw(st.sampled_from(["float16", "bfloat16"])),
                 routed=draw(st.booleans()), kind=draw(st.sampled_from(["uniform", "one", "few"])),
-                block_m=draw(st.sampled_from([None, 16, 32, 64, 128])), seed=draw(st.integers(0, 2**31)))
+                block_m=draw(st.sampled_from([None, 16, 32, 48, 64, 128])), seed=draw(st.integers(0, 2**31)))
 
 
 @given(cases())
@@ -143,29 +143,31 @@ def test_gemm_decode_warps_along_k(bits, sym, act_order, dtype_name, gs):
             assert np.array_equal(first, run_case(np.random.default_rng(seed), **case), equal_nan=True)
 
 
+@pytest.mark.parametrize("block_m", [32, 48])
 @pytest.mark.parametrize("hopper", ["1", "0"])
 @pytest.mark.parametrize("bits,sym,act_order,dtype_name,gs", [
     (4, False, False, "float16", 128), (4, True, False, "bfloat16", 32), (8, False, False, "float16", 128),
     (4, False, True, "float16", 64)])
-def test_gemm_block_32(bits, sym, act_order, dtype_name, gs, hopper, monkeypatch):
-    """32-row blocks: on sm_90a the swapped-operand kernel (SWAPPED_32), elsewhere (and with CUPY_MOE_HOPPER=0) the
-    portable decode shape with two m16 tiles per CTA: experts with 17-32 rows, partial blocks, split-K, a partial
-    last column tile."""
+def test_gemm_block_32_48(block_m, bits, sym, act_order, dtype_name, gs, hopper, monkeypatch):
+    """32- and 48-row blocks: on sm_90a the swapped-operand kernel (SWAPPED_32, SWAPPED_48), elsewhere (and with
+    CUPY_MOE_HOPPER=0) the portable decode shapes with two or three m16 tiles per CTA: experts with 17-48 rows, and
+    more than one block (m = 100, top-2 of 4), partial blocks, split-K, a partial last column tile."""
     monkeypatch.setenv("CUPY_MOE_HOPPER", hopper)
-    rng = np.random.default_rng(32 + bits + 2 * sym + 4 * act_order)
-    for e, m, a, k, n in ((4, 40, 2, 2048, 160), (8, 64, 2, 1408, 288), (2, 9, 1, 768, 96)):
+    rng = np.random.default_rng(block_m + bits + 2 * sym + 4 * act_order)
+    for e, m, a, k, n in ((4, 40, 2, 2048, 160), (8, 64, 2, 1408, 288), (2, 9, 1, 768, 96), (4, 100, 2, 1120, 256)):
         run_case(rng, e=e, m=m, a=a, k=k, n=n, bits=bits, group_size=gs, sym=sym, act_order=act_order,
-                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=32)
+                 dtype_name=dtype_name, routed=True, kind="uniform", block_m=block_m)
 
 
 @pytest.mark.parametrize("block_m,ng,stages,ku,bits,sym,act_order,dtype_name,gs", [
     (16, 1, 6, 2, 4, False, False, "float16", 128), (32, 2, 6, 1, 4, True, False, "bfloat16", 32),
     (32, 1, 4, 1, 8, False, False, "float16", 64), (64, 2, 4, 2, 8, True, False, "bfloat16", -1),
     (64, 1, 6, 1, 4, False, False, "bfloat16", 64), (128, 2, 4, 2, 4, False, False, "float16", 32),
-    (64, 2, 4, 2, 4, False, True, "float16", 128)])
+    (64, 2, 4, 2, 4, False, True, "float16", 128), (48, 2, 6, 2, 4, False, False, "float16", 128),
+    (48, 2, 6, 2, 8, True, False, "bfloat16", 32), (48, 1, 4, 1, 4, True, False, "float16", 64)])
 def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype_name, gs):
-    """The sm_90a kernel with the weights as the wgmma M side (kind "swapped"; 32-row blocks use it by default, the
-    other shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles, split-K and not, an
+    """The sm_90a kernel with the weights as the wgmma M side (kind "swapped"; 32- and 48-row blocks use it by default,
+    the other shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles, split-K and not, an
     odd number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable shape instead)."""
     if not configs.gpu_info().hopper:
         pytest.skip("the swapped-operand kernel needs sm_90a")

@@ -97,7 +97,7 @@ def test_fused_moe_gemm_and_align_reject_the_same_inputs(host_layer, xp_name):
         cupy_moe.fused_moe_gemm(x.astype(xp.float32), w13, *aligned, A)
     # what the kernels need of a call, on the NumPy path too
     with pytest.raises(ValueError, match=r"block size B = sorted_token_ids.size // expert_ids.size: expected one of "
-                                         r"\(16, 32, 64, 128\)"):
+                                         r"\(16, 32, 48, 64, 128\)"):
         cupy_moe.fused_moe_gemm(x, w13, *cupy_moe.moe_align_block_size(ids, 8, E), A)
     with pytest.raises(TypeError, match=r"sorted_token_ids: expected int32, got int64"):
         cupy_moe.fused_moe_gemm(x, w13, aligned[0].astype(xp.int64), *aligned[1:], A)

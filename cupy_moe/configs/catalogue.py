@@ -2,7 +2,7 @@
 
 Three kernel families:
 
-- kind "reg", `moe_gemm` (decode, 16- and 32-row blocks): warps side by side over 128 columns (DECODE, 16 x 128)
+- kind "reg", `moe_gemm` (decode, 16-, 32- and 48-row blocks): warps side by side over 128 columns (DECODE, 16 x 128)
   or along K (DECODE_WK, 16 x 32 with 4 warps on 4 K slices summed in shared memory in a fixed order); a
   warp-private cp.async weight ring; each lane dequantizes its B fragments in registers. A 16-row block with at
   most 8 rows swaps the mma operands (weights as the m16 side). `GemmConfig.group_mode` says how the scales are
@@ -11,7 +11,8 @@ Three kernel families:
   B tile; wgmma on sm_90a, ldmatrix + mma.sync elsewhere. It has no act-order variant: act-order weights at these
   block sizes run the "reg" shapes of ACT_ORDER_SHAPES.
 - kind "swapped" (sm_90a only): out^T = W^T a^T, the weights dequantized straight into wgmma's register A operand,
-  the activation rows as its shared-memory B operand. HOPPER_SHAPES maps block sizes to it (32 rows: SWAPPED_32).
+  the activation rows as its shared-memory B operand. HOPPER_SHAPES maps block sizes to it (32 and 48 rows:
+  SWAPPED_32, SWAPPED_48).
   It has no act-order and no pair-order variant and needs sm_90a; otherwise the portable shape of that block size
   runs (`fallback`).
 
@@ -23,22 +24,25 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 __all__ = ["GemmConfig", "KERNEL_FILES", "TEMPLATES", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "HOPPER_SHAPES",
-           "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_WK", "DECODE_WK_ONE_PAIR",
-           "PREFILL", "PREFILL_128", "SWAPPED_32", "MAX_SPLIT", "CLUSTER_SPLIT", "TC_COLUMN_BAND", "warps_k_choices",
-           "fallback", "splits_in_cluster", "max_split_k", "all_name_expressions"]
+           "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_48", "DECODE_WK",
+           "DECODE_WK_ONE_PAIR", "PREFILL", "PREFILL_128", "SWAPPED_32", "SWAPPED_48", "MAX_SPLIT", "CLUSTER_SPLIT",
+           "TC_COLUMN_BAND", "warps_k_choices", "fallback", "splits_in_cluster", "max_split_k",
+           "all_name_expressions"]
 
 # The CUDA source of each kind (kernels/<file>), and the template each kind instantiates.
 KERNEL_FILES = {"reg": "moe_gemm_decode.cu", "tc": "moe_gemm_prefill.cu", "swapped": "moe_gemm_swapped.cu"}
 TEMPLATES = {"reg": "moe_gemm", "tc": "moe_gemm_tc", "swapped": "moe_gemm_swapped"}
 
 # CTAs resident per SM for each block_m without a launch bound (shared memory / registers of the default shapes,
-# ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; tc 64 x 256 (89 KiB): 2; tc 128 x 256
-# (about 210 registers): 1. GemmConfig.min_ctas raises the decode shapes' to their launch bounds.
-RESIDENT_PER_SM = {16: 3, 32: 3, 64: 2, 128: 1}
+# ptxas -v): decode 16 x 128 (about 150 registers) and 32 x 128 (about 165): 3; decode 48 x 128 (at most 212): 2;
+# tc 64 x 256 (89 KiB): 2; tc 128 x 256 (about 210 registers): 1. GemmConfig.min_ctas raises the decode shapes' to
+# their launch bounds.
+RESIDENT_PER_SM = {16: 3, 32: 3, 48: 2, 64: 2, 128: 1}
 # moe_gemm launch bounds (CTAs per SM) by warp layout (mt, warps_m, warps_n, ng, warps_k): 16 x 128 and 16 x 32 x 4
 # at most 128 registers, 32 x 128 at most 168, no spills (nvcc 13.0; tests/test_compile.py checks NVRTC)
 LAUNCH_BOUNDS = {(1, 1, 4, 1, 1): 4, (2, 1, 4, 1, 1): 3, (1, 1, 1, 1, 4): 4}
-SWAPPED_RESIDENT_PER_SM = 2  # the swapped kernel's 32 x 256: 128 registers x 256 threads (fp16, 4 bits)
+# the swapped kernel's 32 x 256 and 48 x 256: 128 registers x 256 threads (the 48-row one under a launch bound)
+SWAPPED_RESIDENT_PER_SM = 2
 MAX_SPLIT = 16  # the most K slices (split-K CTAs) of one tile
 # K slices that run as one thread-block cluster (`splits_in_cluster`); clusters of 3 to 8 leave CTA slots empty
 CLUSTER_SPLIT = 2
@@ -190,10 +194,11 @@ class GemmConfig:
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
 DECODE_32 = GemmConfig(mt=2, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # two m16 tiles share each dequantized weight
+DECODE_48 = GemmConfig(mt=3, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # three (where SWAPPED_48 does not run)
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
 # the portable shape of each block size
-KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, PREFILL, PREFILL_128)}
+KERNEL_SHAPES = {c.block_m: c for c in (DECODE, DECODE_32, DECODE_48, PREFILL, PREFILL_128)}
 SUPPORTED_BLOCK_M = tuple(sorted(KERNEL_SHAPES))
 # act-order weights at the tc block sizes: "reg" shapes of the same block_m
 ACT_ORDER_SHAPES = {16: DECODE, 64: GemmConfig(mt=2, warps_m=2, warps_n=2, ng=2, ku=1, stages=4),
@@ -205,7 +210,8 @@ SPLIT_WARPS_SHAPES = {16: DECODE_WK}
 DECODE_WK_ONE_PAIR = replace(DECODE_WK, ku=2)
 # sm_90a: block sizes that run the swapped-operand kernel instead (weights as the wgmma M side)
 SWAPPED_32 = GemmConfig(mt=2, warps_m=1, warps_n=8, ng=2, ku=2, stages=6, kind="swapped")  # 32 x 256, 6 x 64 k
-HOPPER_SHAPES = {32: SWAPPED_32}
+SWAPPED_48 = replace(SWAPPED_32, mt=3)  # 48 x 256
+HOPPER_SHAPES = {c.block_m: c for c in (SWAPPED_32, SWAPPED_48)}
 
 
 def warps_k_choices(block_m: int | None) -> tuple[int, ...]:

@@ -2,7 +2,8 @@
 
 With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched rows per touched expert:
 
-1. block_m = 16 for r <= ROWS_16_MAX (24), 64 for r <= ROWS_64_MAX (56), else 128. No 32-row block by default.
+1. block_m = 16 for r <= ROWS_16_MAX (24); on sm_90a 48 (the swapped-operand kernel) for r <= ROWS_48_MAX (36);
+   64 for r <= ROWS_64_MAX (56), else 128. No 32-row block by default.
 2. split_k: the fewest K slices (each at least 2 stages, at most MAX_SPLIT) whose estimate
    waves x (stages per slice + SPLIT_FILL_STAGES) is within 5% of the least, with
    waves = ceil(CTAs x slices / (ctas_per_sm x SM count)). The tc tiles split so only grids of less than one wave;
@@ -10,8 +11,8 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
    or more (its blocks counted with the spread of rows per expert) splits 2 ways where that estimate falls to
    TC_CLUSTER_GAIN of the unsplit one. Split-K is deterministic: each tile's partials are summed in slice order (by
    its last CTA, or in the cluster); no atomics on outputs.
-3. A split 64-row pick becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE of its waves; a
-   64- or 128-row pick with at most SPLIT_TC_ROWS_MAX rows per expert, whose unsplit grid has fewer CTAs than the
+3. A split 48- or 64-row pick becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE of its waves; a
+   48-, 64- or 128-row pick with at most SPLIT_TC_ROWS_MAX rows per expert, whose unsplit grid has fewer CTAs than the
    GPU has SMs and that rule 2 would split more than SPLIT_TC_MAX ways (one expert with few column tiles: a shared
    expert) becomes 16 rows.
 4. A split 16-row pick becomes DECODE_WK, one CTA per column strip, where its warps' slices are at most
@@ -44,13 +45,17 @@ from .gpu import GpuInfo, gpu_info
 from .tuned import tuned_entry
 
 __all__ = ["choose_config", "split_k_estimate", "expected_experts", "down_pair_order", "one_pair_blocks",
-           "ROWS_16_MAX", "ROWS_64_MAX", "SPLIT_FILL_STAGES", "FULL_WAVE", "SPLIT_TC_MAX",
+           "ROWS_16_MAX", "ROWS_48_MAX", "ROWS_64_MAX", "SPLIT_FILL_STAGES", "FULL_WAVE", "SPLIT_TC_MAX",
            "SPLIT_TC_ROWS_MAX", "WARPS_K_EXTRA_STAGES", "ONE_PAIR_MAX_TOKENS", "ONE_PAIR_EXTRA_BYTES"]
 
 # Rule 1. Two 16-row blocks per expert beat one 32-row block on 9 of 11 rows with 16-24 rows per expert
 # (Mixtral-8x22B gate/up M = 64: 421 against 498 us); at 32 rows the 64-row tile beat it too (Qwen2-57B-A14B gate/up
 # M = 256: 411.9 against 561.0), so no 32-row block by default.
 ROWS_16_MAX = 24
+# Rule 1, sm_90a. At 32-34 rows per expert (under 0.1% of the experts past 48 rows) 48-row blocks of the
+# swapped-operand kernel took 0.93-0.99 of the 64-row tile's time (Qwen2-57B-A14B gate/up M = 256: 385.4 against
+# 413.0 us); at 40 rows (one expert in 8 past 48) 1.03 (Mixtral-8x7B gate/up M = 160: 346.0 against 334.6). H200.
+ROWS_48_MAX = 36
 # Rule 1. At 32-48 rows per expert the 64-row tile takes 0.79-0.91 of the 128-row time, at 64 rows the 128-row
 # tile takes 0.66-0.91 of the 64-row time (Mixtral-8x7B gate/up M = 256: 405.5 against 611.9 us).
 ROWS_64_MAX = 56
@@ -59,8 +64,9 @@ ROWS_64_MAX = 56
 SPLIT_FILL_STAGES = 4
 # Rule 2. With this estimate the picks of 60 decode rows took 1.016 of the fastest split's time on the geometric mean.
 SPLIT_TOLERANCE = 1.05
-# Rule 3. Mixtral-8x7B down M = 128 (128 CTAs of 128 rows): 64 rows split 2 ways 187.8 us, 128 rows unsplit 159.7;
-# Mixtral-8x22B down M = 128 (192 CTAs, 0.73 of two waves): 64 x 4 ways 309.7, 128 unsplit 361.6.
+# Rule 3. Mixtral-8x7B down M = 128 (128 CTAs of 128 rows): 64 rows split 2 ways 187.8 us, 128 rows unsplit 159.7
+# (48 rows split 2 ways 174.0 against 160.2, H200); Mixtral-8x22B down M = 128 (192 CTAs, 0.73 of two waves): 64 x
+# 4 ways 309.7, 128 unsplit 361.6 (48 x 4 ways 286.6 against 308.6 for 64 x 4, H200).
 FULL_WAVE = 0.9
 # Rule 3. A 64- or 128-row tile split 3 ways or more sums its fp32 partial tiles (64-128 KB a CTA) in one CTA per
 # tile. On grids of fewer CTAs than SMs, 16-row blocks (which dequantize the weights once per 16 rows) were faster on
@@ -147,6 +153,11 @@ class _Problem:
                     return CLUSTER_SPLIT if cost(spread, CLUSTER_SPLIT) <= TC_CLUSTER_GAIN * cost(spread, 1) else 1
             if ctas >= slots:
                 return 1
+        if cfg.kind == "swapped" and cfg.block_m >= 48 and ctas >= slots:
+            # their partials go through the workspace too: 48-row blocks split 2 ways on grids of 2.5-3.4 waves took
+            # 1.19-1.46 of the unsplit time (Qwen1.5-MoE-A2.7B gate/up M = 512: 177.2 against 121.4 us, H200); 32-row
+            # blocks, which the rules never pick, keep the estimate their tuned entries were timed with
+            return 1
         costs = [cost(ctas, s) for s in range(1, most + 1)]
         return next(s for s, c in enumerate(costs, 1) if c <= SPLIT_TOLERANCE * min(costs))
 
@@ -197,7 +208,7 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
 
     m: rows of the activation (tokens M for gate/up; the down phase passes m = M*A rows and a = 1), e: experts E,
     a: top-k A of this phase, k: K, n: N, bits, group_size: G (-1 = one group).
-    block_m: the align block size already used (16, 32, 64 or 128); None = rules 1 and 3 or the tuned table.
+    block_m: the align block size already used (16, 32, 48, 64 or 128); None = rules 1 and 3 or the tuned table.
     act_order: the weights carry g_idx. pair_a: the activations are in pair order (fused_moe_gemm's a_pair_order).
     gpu: the target (`GpuInfo`); None = the current device (a RuntimeError without a GPU).
     split_k: force the K split of the block size's shape (with block_m; rule 2 skipped, rules 4-6 apply).
@@ -250,8 +261,9 @@ def choose_config(m: int, e: int, a: int, k: int, n: int, bits: int, group_size:
 def _block_size(problem: _Problem, k: int) -> int:
     """Rules 1 and 3."""
     rows = problem.rows
-    block_m = 16 if rows <= ROWS_16_MAX else 64 if rows <= ROWS_64_MAX else 128
-    if block_m == 64 and problem.split(problem.shape(64), k, False) > 1:
+    block_m = (16 if rows <= ROWS_16_MAX else 48 if problem.gpu.hopper and rows <= ROWS_48_MAX
+               else 64 if rows <= ROWS_64_MAX else 128)
+    if block_m in (48, 64) and problem.split(problem.shape(block_m), k, False) > 1:
         big = problem.shape(128)
         ctas, slots = problem.ctas(big), problem.slots(big, False)
         if ctas >= FULL_WAVE * slots * -(-ctas // slots):
