@@ -194,7 +194,7 @@ class GemmConfig:
 
 DECODE = GemmConfig(mt=1, warps_m=1, warps_n=4, ng=1, ku=4, stages=2)
 DECODE_32 = GemmConfig(mt=2, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # two m16 tiles share each dequantized weight
-DECODE_48 = GemmConfig(mt=3, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # three (where SWAPPED_48 does not run)
+DECODE_48 = GemmConfig(mt=3, warps_m=1, warps_n=4, ng=1, ku=2, stages=4)  # three, where SWAPPED_48 cannot run
 PREFILL = GemmConfig(mt=2, warps_m=2, warps_n=4, ng=2, ku=1, stages=6, kind="tc")     # 64 x 256
 PREFILL_128 = GemmConfig(mt=4, warps_m=2, warps_n=4, ng=2, ku=2, stages=4, kind="tc")  # 128 x 256, 64-k stages
 # the portable shape of each block size
