@@ -123,8 +123,8 @@ __device__ __forceinline__ void wgmma_m64k16(float (&d)[N / 8][4], unsigned long
 }
 
 // The same with A in registers: a[0..3] is the mma.sync m16n8k16 A fragment of warp w's rows 16w .. 16w + 15 (rows
-// g, g + 8 x k 2t, 2t + 1 in a[0], a[1]; k 2t + 8, 2t + 9 in a[2], a[3]); N = 16, 32, 48, 64 or 128. The registers of a
-// must keep their values until a wg_wait retires the op.
+// g, g + 8 x k 2t, 2t + 1 in a[0], a[1]; k 2t + 8, 2t + 9 in a[2], a[3]); N = 16, 32, 48, 64 or 128. The registers
+// of a must keep their values until a wg_wait retires the op.
 template <bool kBf16, int N>
 __device__ __forceinline__ void wgmma_m64k16_rs(float (&d)[N / 8][4], const unsigned (&a)[4],
                                                 unsigned long long desc_b) {

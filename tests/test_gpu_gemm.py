@@ -166,9 +166,10 @@ def test_gemm_block_32_48(block_m, bits, sym, act_order, dtype_name, gs, hopper,
     (64, 2, 4, 2, 4, False, True, "float16", 128), (48, 2, 6, 2, 4, False, False, "float16", 128),
     (48, 2, 6, 2, 8, True, False, "bfloat16", 32), (48, 1, 4, 1, 4, True, False, "float16", 64)])
 def test_gemm_swapped_wgmma(block_m, ng, stages, ku, bits, sym, act_order, dtype_name, gs):
-    """The sm_90a kernel with the weights as the wgmma M side (kind "swapped"; 32- and 48-row blocks use it by default,
-    the other shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles, split-K and not, an
-    odd number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable shape instead)."""
+    """The sm_90a kernel with the weights as the wgmma M side (kind "swapped"; 32- and 48-row blocks use it by
+    default, the other shapes are for tuning): 16-128 rows per block, 128 or 256 columns, partial column tiles,
+    split-K and not, an odd number of 32-k chunks (K = 1120 with 64-k stages), and act-order (which runs the portable
+    shape instead)."""
     if not configs.gpu_info().hopper:
         pytest.skip("the swapped-operand kernel needs sm_90a")
     cfg = configs.GemmConfig(mt=block_m // 16, warps_m=1, warps_n=8, ng=ng, ku=ku, stages=stages, kind="swapped")
