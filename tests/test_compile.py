@@ -94,6 +94,7 @@ def test_ablation_variants_compile(monkeypatch):
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
     names = {"tc": [configs.PREFILL_128.name_expression(False, 4, False, 128, hopper=True)],
+             "swapped": [c.name_expression(False, 4, False, 128, hopper=True) for c in configs.HOPPER_SHAPES.values()],
              "reg": [configs.DECODE.name_expression(False, 4, False, 128, hopper=True, pair_a=True),
                      configs.DECODE_WK_ONE_PAIR.name_expression(False, 4, False, 128, hopper=True)]}
     assert set(names) == set(tool.VARIANTS)

@@ -7,8 +7,7 @@ fp16, the pair list and activation order fused_moe gives that M, routings and we
 the kernel of the configuration `choose_config` gives is compiled once as it ships and once per variant of that
 kernel below, with the named statements removed from its source before NVRTC sees it, and every build is timed on
 the same inputs (a CUDA graph of one call per input set, median replay, the builds interleaved over --rounds
-rounds). The variants compute garbage; only their times mean something. Rows on the swapped-operand kernel
-(32-row blocks) are skipped.
+rounds). The variants compute garbage; only their times mean something.
 
 The tc kernel (`moe_gemm_tc`, 64- and 128-row blocks; its wgmma path, so sm_90a only):
 - no dequant: the raw words are copied but never dequantized (wgmma reads whatever the B tiles hold);
@@ -23,6 +22,10 @@ tile (K * 2 bytes each) and the expert's packed weights once per block, with the
 at every 32-k step; "copies only" moves exactly those bytes (and stores the outputs), so its time gives the rate at
 which the CTAs' copies stream.
 
+The swapped-operand kernel (`moe_gemm_swapped`, 32- and 48-row blocks on sm_90a), the same variants but the proxy
+fence: "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized fragments alive
+without tensor work.
+
 The decode kernel (`moe_gemm`, 16-row blocks):
 - copies only: each warp's ring of weight, scale and zero copies and its waits, no dequantization and no mma;
 - compute only: no weight copies; the dequantization and mma run on whatever the ring holds;
@@ -30,7 +33,7 @@ The decode kernel (`moe_gemm`, 16-row blocks):
 
 Each time is printed with a floor over it, as bench_gemm.py counts them: for tc rows the FLOP floor (FLOPs over the
 fp16 matmul rate measured here, so 1.0 = that rate), for decode rows the traffic floor (bytes over the copy bandwidth
-measured here).
+measured here), for swapped rows the roofline (the larger of the two).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_gemm  # noqa: E402  (the rows as the benchmark builds them)
 
 # statements of each kernel's main loop that a variant removes (each must occur in the source; each is replaced by
-# an empty statement, so that a removed loop body leaves a loop)
+# an empty statement, so that a removed loop body leaves a loop, or, given as (statement, replacement), by that)
 _TC_DEQUANT = ("if (it + 1 < nsteps) dequant(rd1, (it + 1) & 1);", "if (nsteps > 0) dequant(0, 0);")
 _TC_WEIGHT_COPIES = ("gptq::cp_async16(st + L::kA + (tid + i * THREADS) * 16, q_src[i], true);",)
 _TC_OTHER_COPIES = ("gptq::cp_async16(st + a_dst + i * (THREADS / 4) * 64, in ? a_src[i] : a, in && a_ok[i]);",
@@ -60,6 +63,15 @@ _TC_WGMMA = ("gptq::wgmma_m64k16<kBf16, WTN>(acc[0], gptq::wg_desc_sw64_at(a_des
              "                                       gptq::wg_desc_sw64_at(b_desc0 + (kb >> 4)));",)
 _TC_FENCE = ("if constexpr (kWg) gptq::fence_proxy_async_smem();  // this thread's A copies and B stores -> wgmma "
              "reads",)
+_SW_DEQUANT = ("dequant(rd, s + 1, nxt);", "dequant(rd1, 0, nxt);", "if (nsteps > 0) dequant(0, 0, fr0);")
+_SW_WEIGHT_COPIES = ("gptq::cp_async16(st + q_dst[i], in ? q_src[i] : qweight, in && q_ok[i]);",)
+_SW_OTHER_COPIES = (_TC_OTHER_COPIES[0],
+                    "if (s_do) gptq::cp_async16(st + L::kA + L::kQ + s_chunk * 16, in ? s_src : scales, in && s_ok);",
+                    "if (zc_do) gptq::cp_async16(st + L::kA + L::kQ + L::kS + z_thread * 16, in ? z_src : qweight, "
+                    "in && zc_ok);")
+# without the tensor work the fragments must still reach the output, or ptxas drops their dequantization
+_SW_WGMMA = (("gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[mw][h], desc);",
+              "acc[mw][0][h] += __uint_as_float(fr[mw][h][0] ^ fr[mw][h][1] ^ fr[mw][h][2] ^ fr[mw][h][3]);"),)
 _DECODE_COMPUTE = ("compute(cur, stage, c0);", "compute_n8(xs, stage, c0);")
 _DECODE_COPIES = ("issue_weights(s, c_begin + s * KU);",
                   "issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);")
@@ -69,6 +81,10 @@ VARIANTS = {
         "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant, no weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
         "skeleton": _TC_DEQUANT + _TC_WEIGHT_COPIES + _TC_OTHER_COPIES, "no wgmma": _TC_WGMMA,
         "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE}),
+    "swapped": (configs.KERNEL_FILES["swapped"], {
+        "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant, no weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
+        "skeleton": _SW_DEQUANT + _SW_WEIGHT_COPIES + _SW_OTHER_COPIES, "no wgmma": _SW_WGMMA,
+        "copies only": _SW_WGMMA + _SW_DEQUANT}),
     "reg": (configs.KERNEL_FILES["reg"], {
         "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
         "skeleton": _DECODE_COMPUTE + _DECODE_COPIES}),
@@ -77,15 +93,16 @@ VARIANTS = {
 _shipped_source = _compile._source
 
 
-def use_variant(source_file: str, removed: tuple[str, ...]) -> None:
+def use_variant(source_file: str, removed: tuple) -> None:
     """Make the next compile of kernels/`source_file` drop `removed` (and forget the kernels compiled so far)."""
     def source(filename: str) -> str:
         text = _shipped_source(filename)
         if filename == source_file:
-            for statement in removed:
+            for entry in removed:
+                statement, replacement = entry if isinstance(entry, tuple) else (entry, ";")
                 if statement not in text:
                     sys.exit(f"{source_file} no longer contains {statement!r}: update this tool's statement lists")
-                text = text.replace(statement, ";")
+                text = text.replace(statement, replacement)
         return text
     _compile._source = source
     _compile._module.cache_clear()
@@ -108,10 +125,11 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
     use_variant(source_file, ())
     result = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     traffic, flops = bench_gemm.traffic_and_flops(r)
-    floor_us = (flops / mm_rate if cfg.kind == "tc" else traffic / copy_bw) * 1e6
+    floor_s = {"tc": flops / mm_rate, "reg": traffic / copy_bw}.get(cfg.kind, max(flops / mm_rate, traffic / copy_bw))
+    floor_us = floor_s * 1e6
     head = f"{model} {phase} M = {m} ({cfg.spec}"
     copied = None
-    if cfg.kind == "tc":
+    if cfg.kind != "reg":
         blocks = float(np.mean([int(s[3][0]) // cfg.block_m for s in r.sets]))
         tiles_n = -(-r.n // cfg.block_n)
         w_block = (r.k // 32) * r.n * (32 * bench_gemm.BITS / 8 + 2 + bench_gemm.BITS / 8)  # per 32-k step
@@ -146,10 +164,12 @@ def main(argv=None) -> None:
     import cupy as cp
     gpu = configs.gpu_info()
     if not gpu.hopper:
-        sys.exit(f"{gpu.name}: the tc variants remove statements of the wgmma path, which runs on sm_90a only")
+        sys.exit(f"{gpu.name}: the tc variants remove statements of the wgmma path, and the swapped kernel runs on "
+                 "sm_90a only")
     copy_bw, mm_rate = copy_bandwidth(), matmul_rate()
     print(f"# {gpu.name}, copy {copy_bw / 1e12:.2f} TB/s, cupy.matmul fp16 8192^3 {mm_rate / 1e12:.0f} TFLOP/s; "
-          "per build: time, floor / time (tc rows: the FLOP floor; decode rows: the traffic floor)")
+          "per build: time, floor / time (tc rows: the FLOP floor; decode rows: the traffic floor; swapped rows: "
+          "the larger)")
     out = []
     for model in models:
         for phase in phases:
