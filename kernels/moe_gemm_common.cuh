@@ -19,12 +19,33 @@
 // Tiling: CTA = BLOCK_M (= the align block size) rows of one expert x BLOCK_N columns x one K slice (split-K).
 // Grid = (C/BLOCK_M blocks, N/BLOCK_N, split_k): blockIdx.x is fastest so the CTAs that share a weight tile run
 // together and the tile is read from HBM once (L2 hits after); moe_gemm_tc, whose activation tiles are as large as
-// its weight tiles, maps the launch order to tiles in bands of column tiles instead.
+// its weight tiles, maps the launch order to tiles in bands of column tiles instead (banded_tile).
 #pragma once
 
 #include "gptq_dequant.cuh"
 #include "pdl.cuh"
 #include "smem_pipeline.cuh"
 #include "split_k.cuh"
+
+namespace gptq {
+
+// Launch order (blockIdx.x fastest) -> tile (row block, column tile): consecutive CTAs take n_band column tiles of
+// one row block, then the next row block's, so that the CTAs resident at one time share their activation rows and
+// weight tiles in L2 (with row blocks fastest, every column tile reads all the activation rows again). n_band 1: row
+// blocks fastest. A bijection of (blockIdx.x, blockIdx.y), so split-K's tickets, indexed by blockIdx, still count
+// one tile's slices.
+__device__ __forceinline__ int2 banded_tile(int n_band) {
+  int blk = blockIdx.x, n_tile = blockIdx.y;
+  if (n_band > 1) {
+    const int rows = gridDim.x, launch = blockIdx.x + rows * blockIdx.y, band = launch / (n_band * rows);
+    const int width = min(n_band, static_cast<int>(gridDim.y) - band * n_band);
+    const int within = launch - band * n_band * rows;
+    blk = within / width;
+    n_tile = band * n_band + within % width;
+  }
+  return make_int2(blk, n_tile);
+}
+
+}  // namespace gptq
 
 using gptq::u32;

@@ -69,18 +69,8 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
     smem += gptq::kept((L::kAlign - (gptq::smem_u32(smem) & (L::kAlign - 1))) & (L::kAlign - 1));
   }
 
-  // Launch order (blockIdx.x fastest) -> tile: consecutive CTAs take n_band column tiles of one row block, then the
-  // next row block's, so that the CTAs resident at one time share their activation rows and weight tiles in L2 (with
-  // row blocks fastest every column tile reads all the activation rows again). A bijection of (blockIdx.x,
-  // blockIdx.y), so split-K's tickets, indexed by blockIdx, still count one tile's slices.
-  int blk = blockIdx.x, n_tile = blockIdx.y;
-  if (n_band > 1) {
-    const int rows = gridDim.x, launch = blockIdx.x + rows * blockIdx.y, band = launch / (n_band * rows);
-    const int width = min(n_band, static_cast<int>(gridDim.y) - band * n_band);
-    const int within = launch - band * n_band * rows;
-    blk = within / width;
-    n_tile = band * n_band + within % width;
-  }
+  const int2 tile = gptq::banded_tile(n_band);  // launch order -> (row block, column tile)
+  const int blk = tile.x, n_tile = tile.y;
   pdl::enter();  // before the first global access (pdl.cuh)
   const int padded = __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);  // loaded together with the padded total (see moe_gemm)
