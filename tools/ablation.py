@@ -7,11 +7,18 @@ fp16, the pair list and activation order fused_moe gives that M, routings and we
 the kernel of the configuration `choose_config` gives is compiled once as it ships and once per variant of that
 kernel below, with the named statements removed from its source before NVRTC sees it, and every build is timed on
 the same inputs (a CUDA graph of one call per input set, median replay, the builds interleaved over --rounds
-rounds). The variants compute garbage; only their times mean something.
+rounds). The variants that remove work compute garbage; only their times mean something.
+
+Three variants remove nothing but move the same bytes another way, to test whether L2 misses of the activation rows
+hold a row back: "weights evict-first" (tc and swapped kernels) copies the packed weights with an L2 evict-first
+policy, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the weights of
+experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile order, in
+which consecutive CTAs take the column tiles of one row block; and the two together. They compute the shipped
+result, and the tool checks: each row prints whether their output bits equal the shipped build's.
 
 The tc kernel (`moe_gemm_tc`, 64- and 128-row blocks; its wgmma path, so sm_90a only):
 - no dequant: the raw words are copied but never dequantized (wgmma reads whatever the B tiles hold);
-- no dequant, no weight copies: as above, and the raw qweight rows are not copied either;
+- no dequant or weight copies: as above, and the raw qweight rows are not copied either;
 - skeleton: no dequantization and no copies at all: barriers, wgmma and the epilogue;
 - no wgmma: copies and dequantization, no tensor work;
 - copies only: no wgmma and no dequantization;
@@ -75,20 +82,46 @@ _SW_WGMMA = (("gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[mw][h], desc);",
 _DECODE_COMPUTE = ("compute(cur, stage, c0);", "compute_n8(xs, stage, c0);")
 _DECODE_COPIES = ("issue_weights(s, c_begin + s * KU);",
                   "issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);")
-# {kind: (kernels/ file, {variant: statements removed})}
+# Variants that move the same bytes another way instead of removing work. They compute the shipped result (row()
+# checks their output bits against the shipped build's), so one that is faster is a change to make in the kernel.
+# The weights' copies with an L2 evict-first policy: the weights of an expert with one row block are read by one CTA
+# only, while its activation rows are read again by the CTA of every other column tile.
+_EVICT_FIRST_COPY = ('#include "moe_gemm_common.cuh"', """#include "moe_gemm_common.cuh"
+namespace gptq {
+__device__ __forceinline__ void cp_async16_evict_first(unsigned dst, const void* gmem, bool full) {
+  unsigned long long policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(gmem),
+               "r"(full ? 16 : 0), "l"(policy) : "memory");
+}
+}  // namespace gptq""")
+_TC_EVICT_FIRST = (_EVICT_FIRST_COPY, (_TC_WEIGHT_COPIES[0], _TC_WEIGHT_COPIES[0].replace("cp_async16(",
+                                                                                          "cp_async16_evict_first(")))
+_SW_EVICT_FIRST = (_EVICT_FIRST_COPY, (_SW_WEIGHT_COPIES[0], _SW_WEIGHT_COPIES[0].replace("cp_async16(",
+                                                                                          "cp_async16_evict_first(")))
+# The tc kernel's tile order (gptq::banded_tile, bands of configs.TC_COLUMN_BAND column tiles) for the swapped kernel,
+# whose resident CTAs otherwise are every row block of one column tile
+_SW_BANDS = (("const int blk = blockIdx.x;",
+              f"const int2 tile = gptq::banded_tile({configs.TC_COLUMN_BAND});\n  const int blk = tile.x;"),
+             ("const int n_base = blockIdx.y * BN;", "const int n_base = tile.y * BN;"))
+# {kind: (kernels/ file, {variant: statements removed or replaced})}
 VARIANTS = {
     "tc": (configs.KERNEL_FILES["tc"], {
-        "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant, no weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
+        "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant or weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
         "skeleton": _TC_DEQUANT + _TC_WEIGHT_COPIES + _TC_OTHER_COPIES, "no wgmma": _TC_WGMMA,
-        "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE}),
+        "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE,
+        "weights evict-first": _TC_EVICT_FIRST}),
     "swapped": (configs.KERNEL_FILES["swapped"], {
-        "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant, no weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
+        "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant or weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
         "skeleton": _SW_DEQUANT + _SW_WEIGHT_COPIES + _SW_OTHER_COPIES, "no wgmma": _SW_WGMMA,
-        "copies only": _SW_WGMMA + _SW_DEQUANT}),
+        "copies only": _SW_WGMMA + _SW_DEQUANT, "weights evict-first": _SW_EVICT_FIRST, "column bands": _SW_BANDS,
+        "column bands + weights evict-first": _SW_BANDS + _SW_EVICT_FIRST}),
     "reg": (configs.KERNEL_FILES["reg"], {
         "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
         "skeleton": _DECODE_COMPUTE + _DECODE_COPIES}),
 }
+# the variants that compute the shipped result
+EXACT = ("weights evict-first", "column bands", "column bands + weights evict-first")
 
 _shipped_source = _compile._source
 
@@ -109,19 +142,30 @@ def use_variant(source_file: str, removed: tuple) -> None:
     _compile._kernel.cache_clear()
 
 
-def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: int, gpu) -> dict | None:
+def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: int, gpu,
+        only: set | None = None) -> dict | None:
+    """Time one row's builds; only: the names of the variants to time besides the shipped build (None: all)."""
     r = bench_gemm.prepare_row(model, phase, m, gpu=gpu)
     cfg = r.cfg
     if cfg.kind not in VARIANTS:
         print(f"{model} {phase} M = {m}: {cfg.spec}, a kernel without variants here: skipped", flush=True)
         return None
     source_file, variants = VARIANTS[cfg.kind]
+    variants = {name: v for name, v in variants.items() if only is None or name in only or name == "as shipped"}
     calls = [lambda i=i: r.call(i) for i in range(len(r.sets))]
     times = {name: [] for name in variants}
     for rnd in range(rounds):
         for name in (variants if rnd % 2 == 0 else reversed(variants)):
             use_variant(source_file, variants[name])
             times[name].append(graph_time(calls, reps=8, warmup=2))
+    exact = [name for name in variants if name in EXACT]
+    use_variant(source_file, ())
+    shipped_sum = bench_gemm.checksum(r) if exact else None
+    differ = []
+    for name in exact:
+        use_variant(source_file, variants[name])
+        if bench_gemm.checksum(r) != shipped_sum:
+            differ.append(name)
     use_variant(source_file, ())
     result = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     traffic, flops = bench_gemm.traffic_and_flops(r)
@@ -138,9 +182,10 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
                  f"{copied / result['copies only'] / 1e6:.2f} TB/s in 'copies only'")
     print(head + "):", flush=True)
     for name, t in result.items():
-        print(f"    {name:30s} {t:10.2f} us  {floor_us / t:5.2f}", flush=True)
+        mark = " OUTPUT DIFFERS FROM THE SHIPPED BUILD" if name in differ else " same bits" if name in exact else ""
+        print(f"    {name:34s} {t:10.2f} us  {floor_us / t:5.2f}  {t / result['as shipped']:5.3f}{mark}", flush=True)
     return dict(model=model, phase=phase, m=m, config=cfg.spec, floor_us=floor_us, copied_bytes=copied,
-                times_us=result)
+                times_us=result, output_differs=differ)
 
 
 def main(argv=None) -> None:
@@ -149,6 +194,8 @@ def main(argv=None) -> None:
     ap.add_argument("--phases", default="gate_up,down")
     ap.add_argument("--m", default="1024,4096", help="token counts, comma-separated")
     ap.add_argument("--rounds", type=int, default=2, help="timings of each build per row (alternating order)")
+    ap.add_argument("--variants", help="comma-separated variant names to time besides the shipped build "
+                                       "(default: every variant of the row's kernel)")
     ap.add_argument("--json", type=Path, help="write the rows here")
     args = ap.parse_args(argv)
     try:
@@ -161,6 +208,10 @@ def main(argv=None) -> None:
         ap.error(f"--phases: expected gate_up and/or down, comma-separated, got {args.phases!r}")
     if args.rounds < 1:
         ap.error(f"--rounds: expected a positive int, got {args.rounds}")
+    known = {name for _, variants in VARIANTS.values() for name in variants}
+    only = None if args.variants is None else set(args.variants.split(","))
+    if only is not None and not only <= known:
+        ap.error(f"--variants: expected names among {sorted(known)}, got {sorted(only - known)}")
     import cupy as cp
     gpu = configs.gpu_info()
     if not gpu.hopper:
@@ -169,12 +220,12 @@ def main(argv=None) -> None:
     copy_bw, mm_rate = copy_bandwidth(), matmul_rate()
     print(f"# {gpu.name}, copy {copy_bw / 1e12:.2f} TB/s, cupy.matmul fp16 8192^3 {mm_rate / 1e12:.0f} TFLOP/s; "
           "per build: time, floor / time (tc rows: the FLOP floor; decode rows: the traffic floor; swapped rows: "
-          "the larger)")
+          "the larger), time / the shipped build's")
     out = []
     for model in models:
         for phase in phases:
             for m in ms:
-                r = row(model, phase, m, copy_bw, mm_rate, args.rounds, gpu)
+                r = row(model, phase, m, copy_bw, mm_rate, args.rounds, gpu, only)
                 cp.get_default_memory_pool().free_all_blocks()
                 if r is not None:
                     out.append(r)
