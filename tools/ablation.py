@@ -1,20 +1,14 @@
-"""What limits the GEMM kernels: the same launch timed with parts of its main loop compiled out.
+"""What limits the GEMM kernels: the same launch timed with parts of its main loop compiled out or changed.
 
-    python tools/ablation.py [--models Mixtral-8x7B,...] [--phases gate_up,down] [--m 1024,4096] [--json FILE]
+    python tools/ablation.py [--models Mixtral-8x7B,...] [--phases gate_up,down] [--m 1024,4096] [--rounds R]
+                             [--variants NAME,...] [--json FILE]
 
 Per row (model, phase, M), built as benchmarks/bench_gemm.py builds it (4-bit weights, G = 128, real zero points,
 fp16, the pair list and activation order fused_moe gives that M, routings and weight copies rotated against L2),
 the kernel of the configuration `choose_config` gives is compiled once as it ships and once per variant of that
-kernel below, with the named statements removed from its source before NVRTC sees it, and every build is timed on
+kernel below, with the named statements removed or replaced before NVRTC sees the source, and every build is timed on
 the same inputs (a CUDA graph of one call per input set, median replay, the builds interleaved over --rounds
 rounds). The variants that remove work compute garbage; only their times mean something.
-
-Three variants remove nothing but move the same bytes another way, to test whether L2 misses of the activation rows
-hold a row back: "weights evict-first" (tc and swapped kernels) copies the packed weights with an L2 evict-first
-policy, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the weights of
-experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile order, in
-which consecutive CTAs take the column tiles of one row block; and the two together. They compute the shipped
-result, and the tool checks: each row prints whether their output bits equal the shipped build's.
 
 The tc kernel (`moe_gemm_tc`, 64- and 128-row blocks; its wgmma path, so sm_90a only):
 - no dequant: the raw words are copied but never dequantized (wgmma reads whatever the B tiles hold);
@@ -23,24 +17,32 @@ The tc kernel (`moe_gemm_tc`, 64- and 128-row blocks; its wgmma path, so sm_90a 
 - no wgmma: copies and dequantization, no tensor work;
 - copies only: no wgmma and no dequantization;
 - no proxy fence: as shipped but without the fence.proxy.async each thread runs before the barrier that hands a stage
-  to wgmma (what the fence itself costs; without it wgmma may read a tile before it is visible to it).
+  to wgmma (what the fence itself costs; without it wgmma may read a tile before it is visible to it);
+- no activation copies: as shipped but the activation rows are not copied (what their reads from L2 and HBM cost).
 Its rows also give the bytes its CTAs copy from L2 into shared memory per call: every row of a block once per column
 tile (K * 2 bytes each) and the expert's packed weights once per block, with the group's scales and zero words again
 at every 32-k step; "copies only" moves exactly those bytes (and stores the outputs), so its time gives the rate at
 which the CTAs' copies stream.
 
 The swapped-operand kernel (`moe_gemm_swapped`, 32- and 48-row blocks on sm_90a), the same variants but the proxy
-fence: "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized fragments alive
-without tensor work.
+fence, and "column bands": "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized
+fragments alive without tensor work.
 
 The decode kernel (`moe_gemm`, 16-row blocks):
 - copies only: each warp's ring of weight, scale and zero copies and its waits, no dequantization and no mma;
 - compute only: no weight copies; the dequantization and mma run on whatever the ring holds;
 - skeleton: neither: launch, prologue, the warps-along-K sum and the epilogue.
 
+Three variants remove nothing but move the same bytes another way, to test whether L2 misses of the activation rows
+hold a row back: "weights evict-first" (tc and swapped kernels) copies the packed weights with an L2 evict-first
+policy, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the weights of
+experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile order, in
+which consecutive CTAs take the column tiles of one row block; and the two together. They compute the shipped
+result, and the tool checks: each row prints whether their output bits equal the shipped build's.
+
 Each time is printed with a floor over it, as bench_gemm.py counts them: for tc rows the FLOP floor (FLOPs over the
 fp16 matmul rate measured here, so 1.0 = that rate), for decode rows the traffic floor (bytes over the copy bandwidth
-measured here), for swapped rows the roofline (the larger of the two).
+measured here), for swapped rows the roofline (the larger of the two); and as a fraction of the shipped build's time.
 """
 from __future__ import annotations
 
@@ -110,11 +112,12 @@ VARIANTS = {
         "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant or weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
         "skeleton": _TC_DEQUANT + _TC_WEIGHT_COPIES + _TC_OTHER_COPIES, "no wgmma": _TC_WGMMA,
         "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE,
-        "weights evict-first": _TC_EVICT_FIRST}),
+        "no activation copies": _TC_OTHER_COPIES[:1], "weights evict-first": _TC_EVICT_FIRST}),
     "swapped": (configs.KERNEL_FILES["swapped"], {
         "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant or weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
         "skeleton": _SW_DEQUANT + _SW_WEIGHT_COPIES + _SW_OTHER_COPIES, "no wgmma": _SW_WGMMA,
-        "copies only": _SW_WGMMA + _SW_DEQUANT, "weights evict-first": _SW_EVICT_FIRST, "column bands": _SW_BANDS,
+        "copies only": _SW_WGMMA + _SW_DEQUANT, "no activation copies": _SW_OTHER_COPIES[:1],
+        "weights evict-first": _SW_EVICT_FIRST, "column bands": _SW_BANDS,
         "column bands + weights evict-first": _SW_BANDS + _SW_EVICT_FIRST}),
     "reg": (configs.KERNEL_FILES["reg"], {
         "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
