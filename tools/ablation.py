@@ -34,9 +34,9 @@ The decode kernel (`moe_gemm`, 16-row blocks):
 - skeleton: neither: launch, prologue, the warps-along-K sum and the epilogue.
 
 Three variants remove nothing but move the same bytes another way, to test whether L2 misses of the activation rows
-hold a row back: "weights evict-first" (tc and swapped kernels) copies the packed weights with an L2 evict-first
-policy, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the weights of
-experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile order, in
+hold a row back: "weights evict-first" (every kernel) copies the packed weights with an L2 evict-first policy, as
+Marlin does, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the
+weights of experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile order, in
 which consecutive CTAs take the column tiles of one row block; and the two together. They compute the shipped
 result, and the tool checks: each row prints whether their output bits equal the shipped build's.
 
@@ -84,6 +84,7 @@ _SW_WGMMA = (("gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[mw][h], desc);",
 _DECODE_COMPUTE = ("compute(cur, stage, c0);", "compute_n8(xs, stage, c0);")
 _DECODE_COPIES = ("issue_weights(s, c_begin + s * KU);",
                   "issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);")
+_DECODE_WEIGHT_COPY = "if (ok) gptq::cp_async16(dst + 16u * ring_off(u, ng, r), src + r * N + (nc[ng] - nc[0]), true);"
 # Variants that move the same bytes another way instead of removing work. They compute the shipped result (row()
 # checks their output bits against the shipped build's), so one that is faster is a change to make in the kernel.
 # The weights' copies with an L2 evict-first policy: the weights of an expert with one row block are read by one CTA
@@ -97,10 +98,13 @@ __device__ __forceinline__ void cp_async16_evict_first(unsigned dst, const void*
                "r"(full ? 16 : 0), "l"(policy) : "memory");
 }
 }  // namespace gptq""")
-_TC_EVICT_FIRST = (_EVICT_FIRST_COPY, (_TC_WEIGHT_COPIES[0], _TC_WEIGHT_COPIES[0].replace("cp_async16(",
-                                                                                          "cp_async16_evict_first(")))
-_SW_EVICT_FIRST = (_EVICT_FIRST_COPY, (_SW_WEIGHT_COPIES[0], _SW_WEIGHT_COPIES[0].replace("cp_async16(",
-                                                                                          "cp_async16_evict_first(")))
+
+
+def _evict_first(statement: str) -> tuple:
+    """The variant entries that copy with cp_async16_evict_first where `statement` copies the weights."""
+    return _EVICT_FIRST_COPY, (statement, statement.replace("cp_async16(", "cp_async16_evict_first("))
+
+
 # The tc kernel's tile order (gptq::banded_tile, bands of configs.TC_COLUMN_BAND column tiles) for the swapped kernel,
 # whose resident CTAs otherwise are every row block of one column tile
 _SW_BANDS = (("const int blk = blockIdx.x;",
@@ -112,16 +116,16 @@ VARIANTS = {
         "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant or weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
         "skeleton": _TC_DEQUANT + _TC_WEIGHT_COPIES + _TC_OTHER_COPIES, "no wgmma": _TC_WGMMA,
         "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE,
-        "no activation copies": _TC_OTHER_COPIES[:1], "weights evict-first": _TC_EVICT_FIRST}),
+        "no activation copies": _TC_OTHER_COPIES[:1], "weights evict-first": _evict_first(_TC_WEIGHT_COPIES[0])}),
     "swapped": (configs.KERNEL_FILES["swapped"], {
         "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant or weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
         "skeleton": _SW_DEQUANT + _SW_WEIGHT_COPIES + _SW_OTHER_COPIES, "no wgmma": _SW_WGMMA,
         "copies only": _SW_WGMMA + _SW_DEQUANT, "no activation copies": _SW_OTHER_COPIES[:1],
-        "weights evict-first": _SW_EVICT_FIRST, "column bands": _SW_BANDS,
-        "column bands + weights evict-first": _SW_BANDS + _SW_EVICT_FIRST}),
+        "weights evict-first": _evict_first(_SW_WEIGHT_COPIES[0]), "column bands": _SW_BANDS,
+        "column bands + weights evict-first": _SW_BANDS + _evict_first(_SW_WEIGHT_COPIES[0])}),
     "reg": (configs.KERNEL_FILES["reg"], {
         "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
-        "skeleton": _DECODE_COMPUTE + _DECODE_COPIES}),
+        "skeleton": _DECODE_COMPUTE + _DECODE_COPIES, "weights evict-first": _evict_first(_DECODE_WEIGHT_COPY)}),
 }
 # the variants that compute the shipped result
 EXACT = ("weights evict-first", "column bands", "column bands + weights evict-first")
