@@ -8,8 +8,9 @@
 #   when asked for: reads.txt (the memory-read probes tools/read_patterns.py and tools/read_floor.py), ncu.txt +
 #   ncu_<row>.csv.gz (Nsight Compute on the first GEMM launch of each row of $NCU_ROWS, model:phase:M comma-separated:
 #   the details page, and per-instruction stall samples of the SASS), ablation.txt + ablation.json
-#   (tools/ablation.py: the GEMM kernels timed with parts of their main loops compiled out; ABLATION_ARGS, default
-#   --m 1024,4096, the prefill kernel's rows; --m 1,8 takes the decode kernel's).
+#   (tools/ablation.py: the GEMM kernels timed with parts of their main loops compiled out or changed; ABLATION_ARGS,
+#   default --m 1024,4096, the prefill kernel's rows; --m 1,8 takes the decode kernel's; ABLATION_VARIANTS, the
+#   variant names to time, comma-separated, spaces kept).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
 # STAGES picks stages (default all but reads, ncu and ablation); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py,
 # TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
@@ -51,7 +52,8 @@ stage ncu "${NCU_TIMEOUT:-400}" "$OUT/ncu.txt" bash -c '
     "$ncu" --import /tmp/ncu_row.ncu-rep --page source --csv --print-source sass | gzip > "$1/ncu_${model}_${phase}_$m.csv.gz"
   done' "${NCU_ROWS:-Qwen3-30B-A3B:gate_up:1,Mixtral-8x7B:gate_up:64,Mixtral-8x7B:gate_up:256,Mixtral-8x7B:gate_up:4096}" "$OUT"
 stage ablation "${ABLATION_TIMEOUT:-300}" "$OUT/ablation.txt" \
-  python3 tools/ablation.py --json "$OUT/ablation.json" ${ABLATION_ARGS:---m 1024,4096}
+  python3 tools/ablation.py --json "$OUT/ablation.json" ${ABLATION_ARGS:---m 1024,4096} \
+  ${ABLATION_VARIANTS:+--variants "$ABLATION_VARIANTS"}
 stage tests "${TESTS_TIMEOUT:-900}" "$OUT/tests.log" python3 -m pytest -q -p no:cacheprovider $tests_workers ${TESTS_ARGS:-tests}
 stage memcheck "${MEMCHECK_TIMEOUT:-400}" "$OUT/memcheck.log" \
   compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
