@@ -185,8 +185,9 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
         tiles_n = -(-r.n // cfg.block_n)
         w_block = (r.k // 32) * r.n * (32 * bench_gemm.BITS / 8 + 2 + bench_gemm.BITS / 8)  # per 32-k step
         copied = r.p * r.k * 2 * tiles_n + blocks * w_block
-        head += (f", {blocks:.0f} blocks x {tiles_n} column tiles; copies {copied / 1e9:.2f} GB per call, "
-                 f"{copied / result['copies only'] / 1e6:.2f} TB/s in 'copies only'")
+        head += f", {blocks:.0f} blocks x {tiles_n} column tiles; copies {copied / 1e9:.2f} GB per call"
+        if "copies only" in result:
+            head += f", {copied / result['copies only'] / 1e6:.2f} TB/s in 'copies only'"
     print(head + "):", flush=True)
     for name, t in result.items():
         mark = " OUTPUT DIFFERS FROM THE SHIPPED BUILD" if name in differ else " same bits" if name in exact else ""
