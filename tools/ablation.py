@@ -36,9 +36,9 @@ The decode kernel (`moe_gemm`, 16-row blocks):
 Three variants remove nothing but move the same bytes another way, to test whether L2 misses of the activation rows
 hold a row back: "weights evict-first" (every kernel) copies the packed weights with an L2 evict-first policy, as
 Marlin does, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the
-weights of experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile order, in
-which consecutive CTAs take the column tiles of one row block; and the two together. They compute the shipped
-result, and the tool checks: each row prints whether their output bits equal the shipped build's.
+weights of experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile
+order, in which consecutive CTAs take the column tiles of one row block; and the two together. They compute the
+shipped result, and the tool checks: each row prints whether their output bits equal the shipped build's.
 
 Each time is printed with a floor over it, as bench_gemm.py counts them: for tc rows the FLOP floor (FLOPs over the
 fp16 matmul rate measured here, so 1.0 = that rate), for decode rows the traffic floor (bytes over the copy bandwidth
