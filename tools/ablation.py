@@ -110,6 +110,7 @@ def _evict_first(statement: str) -> tuple:
 _SW_BANDS = (("const int blk = blockIdx.x;",
               f"const int2 tile = gptq::banded_tile({configs.TC_COLUMN_BAND});\n  const int blk = tile.x;"),
              ("const int n_base = blockIdx.y * BN;", "const int n_base = tile.y * BN;"))
+_SW_EVICT_FIRST = _evict_first(_SW_WEIGHT_COPIES[0])
 # {kind: (kernels/ file, {variant: statements removed or replaced})}
 VARIANTS = {
     "tc": (configs.KERNEL_FILES["tc"], {
@@ -121,8 +122,8 @@ VARIANTS = {
         "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant or weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
         "skeleton": _SW_DEQUANT + _SW_WEIGHT_COPIES + _SW_OTHER_COPIES, "no wgmma": _SW_WGMMA,
         "copies only": _SW_WGMMA + _SW_DEQUANT, "no activation copies": _SW_OTHER_COPIES[:1],
-        "weights evict-first": _evict_first(_SW_WEIGHT_COPIES[0]), "column bands": _SW_BANDS,
-        "column bands + weights evict-first": _SW_BANDS + _evict_first(_SW_WEIGHT_COPIES[0])}),
+        "weights evict-first": _SW_EVICT_FIRST, "column bands": _SW_BANDS,
+        "column bands + weights evict-first": _SW_BANDS + _SW_EVICT_FIRST}),
     "reg": (configs.KERNEL_FILES["reg"], {
         "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
         "skeleton": _DECODE_COMPUTE + _DECODE_COPIES, "weights evict-first": _evict_first(_DECODE_WEIGHT_COPY)}),
