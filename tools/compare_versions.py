@@ -1,11 +1,13 @@
-"""Two versions of cupy_moe side by side in one process: per row, the checksum of each version's output and each
-version's time, so that a refactor can be shown to keep results bitwise and speed within noise.
+"""Two or more versions of cupy_moe side by side in one process: per row, the checksum of each version's output and
+each version's time, so that a refactor can be shown to keep results bitwise and speed within noise.
 
-    python tools/compare_versions.py OTHER_CHECKOUT [--models ...] [--m 1,16,64,256,1024,4096] [--rows gemm,layer]
+    python tools/compare_versions.py OTHER_CHECKOUT [OTHER_CHECKOUT ...] [--models ...] [--m 1,16,64,256,1024,4096] [--rows gemm,layer]
                                      [--rounds R] [--reps N] [--bits 4|8] [--dtype float16|bfloat16] [--json FILE]
 
 OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
-package is imported as a second module next to this checkout's `cupy_moe`. Rows are (model, phase, M) as in
+package is imported as a second module next to this checkout's `cupy_moe`. Several other checkouts (variants of one
+change, say) are timed in the same rounds, the first as "other" and the next ones as "other2", "other3", ...; each
+row prints their times and this/otherN after the first pair's columns. Rows are (model, phase, M) as in
 benchmarks/bench_gemm.py, on random weights (4-bit unless --bits 8; G = 128, real zero points) and fp16 activations
 (--dtype bfloat16: bf16), with the routing of each version's own choice (one pair per block where fused_moe runs it
 so: M = 1, and a few tokens of small experts where the version has `configs.one_pair_blocks`; 4-bit down on 16-row
@@ -47,15 +49,14 @@ G, ROTATIONS = 128, 8
 LAYER_MS = (1, 2, 4, 8, 64, 256)
 
 
-def import_other(root: Path):
-    """The package of another checkout as module `cupy_moe_other` (its kernels come from its own kernels/)."""
+def import_other(root: Path, name: str = "cupy_moe_other"):
+    """The package of another checkout as module `name` (its kernels come from its own kernels/)."""
     init = root / "cupy_moe" / "__init__.py"
     if not init.is_file():
         raise SystemExit(f"compare_versions: {root} has no cupy_moe/__init__.py (expected a checkout's root)")
-    spec = importlib.util.spec_from_file_location("cupy_moe_other", init,
-                                                  submodule_search_locations=[str(init.parent)])
+    spec = importlib.util.spec_from_file_location(name, init, submodule_search_locations=[str(init.parent)])
     module = importlib.util.module_from_spec(spec)
-    sys.modules["cupy_moe_other"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -109,7 +110,7 @@ def moe_layer_calls(pkg, model, w13, w2, copies, xs):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("other", type=Path, help="root of the other checkout")
+    ap.add_argument("other", type=Path, nargs="+", help="root of the other checkout (several: each one timed)")
     ap.add_argument("--models", default=",".join(BENCHMARK_MODELS))
     ap.add_argument("--m", default="1,16,64,256,1024,4096")
     ap.add_argument("--rows", default="gemm,layer", help="comma-separated: gemm, layer, moe_layer")
@@ -127,7 +128,10 @@ def main(argv=None) -> int:
     if args.dtype == "bfloat16":
         import ml_dtypes
         dtype = ml_dtypes.bfloat16
-    versions = {"this": cupy_moe, "other": import_other(args.other.resolve())}
+    versions = {"this": cupy_moe}
+    for i, root in enumerate(args.other, 1):
+        label = "other" if i == 1 else f"other{i}"
+        versions[label] = import_other(root.resolve(), f"cupy_moe_{label}")
     kinds = set(args.rows.split(","))
     if not kinds <= {"gemm", "layer", "moe_layer"}:
         raise SystemExit(f"compare_versions: --rows: expected some of gemm, layer, moe_layer, got {args.rows}")
@@ -184,15 +188,16 @@ def main(argv=None) -> int:
                 save(args.json, results)
         del weights, drawn, copies
         cp.get_default_memory_pool().free_all_blocks()
-    same = sum(r["this_checksum"] == r["other_checksum"] for r in results)
+    same = sum(identical(r) for r in results)
     print(f"# checksums: {same}/{len(results)} rows identical")
     for kind, rows in (("GEMM", [r for r in results if r["phase"] in ("gate_up", "down")]),
                        ("layer", [r for r in results if r["phase"] == "layer"]),
                        ("MoELayer", [r for r in results if r["phase"] == "MoELayer"])):
-        ratios = np.array([r["this_us"] / r["other_us"] for r in rows])
-        if ratios.size:
-            print(f"# time this/other over {ratios.size} {kind} rows: median {np.median(ratios):.3f}, "
-                  f"min {ratios.min():.3f}, max {ratios.max():.3f}")
+        for v in list(versions)[1:]:
+            ratios = np.array([r["this_us"] / r[f"{v}_us"] for r in rows])
+            if ratios.size:
+                print(f"# time this/{v} over {ratios.size} {kind} rows: median {np.median(ratios):.3f}, "
+                      f"min {ratios.min():.3f}, max {ratios.max():.3f}")
     return 0 if same == len(results) else 1
 
 
@@ -203,8 +208,8 @@ def save(path, results) -> None:
 
 
 def time_rounds(row: dict, timed: dict, args) -> dict:
-    """Each version's median time (us) over args.rounds graph timings of its calls, this one first in even
-    rounds and the other first in odd ones."""
+    """Each version's median time (us) over args.rounds graph timings of its calls, in the order of `timed` in even
+    rounds and the reverse order in odd ones."""
     times = {v: [] for v in timed}
     for r in range(args.rounds):
         for v in (list(timed) if r % 2 == 0 else list(timed)[::-1]):
@@ -213,11 +218,19 @@ def time_rounds(row: dict, timed: dict, args) -> dict:
     return row
 
 
+def identical(row: dict) -> bool:
+    """Whether every version's output has this checkout's checksum."""
+    return all(row[key] == row["this_checksum"] for key in row if key.endswith("_checksum"))
+
+
 def report(row: dict) -> dict:
-    mark = "same" if row["this_checksum"] == row["other_checksum"] else "DIFFERENT"
+    mark = "same" if identical(row) else "DIFFERENT"
     times = (f"{row.get('this_config', ''):>12s} {row.get('other_config', ''):>12s} {row['this_us']:9.1f} "
              f"{row['other_us']:9.1f} {row['this_us'] / row['other_us']:6.3f}" if "this_us" in row else " " * 53)
-    print(f"{row['model']:18s} {row['phase']:7s} {row['m']:5d} {times}  {mark} {row['this_checksum']}", flush=True)
+    more = "".join(f"  {key[:-3]} {row.get(key[:-3] + '_config', '')} {row[key]:.1f} {row['this_us'] / row[key]:.3f}"
+                   for key in row if key.startswith("other") and key.endswith("_us") and key != "other_us")
+    print(f"{row['model']:18s} {row['phase']:7s} {row['m']:5d} {times}  {mark} {row['this_checksum']}{more}",
+          flush=True)
     return row
 
 
