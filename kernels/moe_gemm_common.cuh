@@ -18,8 +18,8 @@
 //
 // Tiling: CTA = BLOCK_M (= the align block size) rows of one expert x BLOCK_N columns x one K slice (split-K).
 // Grid = (C/BLOCK_M blocks, N/BLOCK_N, split_k): blockIdx.x is fastest so the CTAs that share a weight tile run
-// together and the tile is read from HBM once (L2 hits after); moe_gemm_tc, whose activation tiles are as large as
-// its weight tiles, maps the launch order to tiles in bands of column tiles instead (banded_tile).
+// together and the tile is read from HBM once (L2 hits after); moe_gemm_tc and moe_gemm_swapped, whose activation
+// rows every column tile reads again, map the launch order to tiles in bands of column tiles instead (banded_tile).
 #pragma once
 
 #include "gptq_dequant.cuh"

@@ -54,7 +54,8 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
             float* __restrict__ partials,                // [S, C, N] when split_k > 1
             int* __restrict__ tickets,                   // [C / T, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
-            int split_k, int chunks_per_split, int num_experts) {
+            int split_k, int chunks_per_split, int num_experts,
+            int n_band) {  // tile order: bands of n_band column tiles (configs.TC_COLUMN_BAND)
   constexpr int BN = 128 * MW, THREADS = 256, NJ = T / 8, NC = 2 * MW;
   using L = SwappedSmem<T, BN, kBits, NS, KT>;
   static_assert(T == 16 || T == 32 || T == 48 || T == 64 || T == 128, "T");
@@ -64,7 +65,8 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_dyn);
   smem += (1024 - (gptq::smem_u32(smem) & 1023)) & 1023;
 
-  const int blk = blockIdx.x;
+  const int2 tile = gptq::banded_tile(n_band);  // launch order -> (row block, column tile)
+  const int blk = tile.x;
   pdl::enter();  // before the first global access (pdl.cuh)
   const int padded = __ldg(post_padded);
   const int expert = __ldg(expert_ids + blk);
@@ -73,7 +75,7 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3, wg = warp >> 2;
-  const int n_base = blockIdx.y * BN;
+  const int n_base = tile.y * BN;
   const long long rows_q = static_cast<long long>(K) * kBits / 32;
   const int* qw_e = qweight + expert * rows_q * N;
   const unsigned short* sc_e = scales + static_cast<long long>(expert) * num_groups * N;

@@ -46,9 +46,9 @@ SWAPPED_RESIDENT_PER_SM = 2
 MAX_SPLIT = 16  # the most K slices (split-K CTAs) of one tile
 # K slices that run as one thread-block cluster (`splits_in_cluster`); clusters of 3 to 8 leave CTA slots empty
 CLUSTER_SPLIT = 2
-# The tc kernel's tile order: CTAs launched one after another take TC_COLUMN_BAND column tiles of a row block before
-# the next row block; 1 = row blocks fastest (why: kernels/moe_gemm_common.cuh, banded_tile; measured:
-# performance.md, prefill).
+# The tile order of the tc and swapped kernels: CTAs launched one after another take TC_COLUMN_BAND column tiles of a
+# row block before the next row block; 1 = row blocks fastest (why: kernels/moe_gemm_common.cuh, banded_tile;
+# measured: performance.md, prefill).
 TC_COLUMN_BAND = 16
 
 
