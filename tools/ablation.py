@@ -25,20 +25,13 @@ at every 32-k step; "copies only" moves exactly those bytes (and stores the outp
 which the CTAs' copies stream.
 
 The swapped-operand kernel (`moe_gemm_swapped`, 32- and 48-row blocks on sm_90a), the same variants but the proxy
-fence, and "column bands": "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized
+fence: "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized
 fragments alive without tensor work.
 
 The decode kernel (`moe_gemm`, 16-row blocks):
 - copies only: each warp's ring of weight, scale and zero copies and its waits, no dequantization and no mma;
 - compute only: no weight copies; the dequantization and mma run on whatever the ring holds;
 - skeleton: neither: launch, prologue, the warps-along-K sum and the epilogue.
-
-Three variants remove nothing but move the same bytes another way, to test whether L2 misses of the activation rows
-hold a row back: "weights evict-first" (every kernel) copies the packed weights with an L2 evict-first policy, as
-Marlin does, so that the activation rows, which the CTA of every column tile reads again, stay in L2 while the
-weights of experts with one row block stream past; "column bands" (swapped kernel) gives it the tc kernel's tile
-order, in which consecutive CTAs take the column tiles of one row block; and the two together. They compute the
-shipped result, and the tool checks: each row prints whether their output bits equal the shipped build's.
 
 Each time is printed with a floor over it, as bench_gemm.py counts them: for tc rows the FLOP floor (FLOPs over the
 fp16 matmul rate measured here, so 1.0 = that rate), for decode rows the traffic floor (bytes over the copy bandwidth
@@ -84,52 +77,21 @@ _SW_WGMMA = (("gptq::wgmma_m64k16_rs<kBf16, T>(acc[mw], fr[mw][h], desc);",
 _DECODE_COMPUTE = ("compute(cur, stage, c0);", "compute_n8(xs, stage, c0);")
 _DECODE_COPIES = ("issue_weights(s, c_begin + s * KU);",
                   "issue_weights((stage + NST - 1) % NST, c0 + (NST - 1) * KU);")
-_DECODE_WEIGHT_COPY = "if (ok) gptq::cp_async16(dst + 16u * ring_off(u, ng, r), src + r * N + (nc[ng] - nc[0]), true);"
-# Variants that move the same bytes another way instead of removing work. They compute the shipped result (row()
-# checks their output bits against the shipped build's), so one that is faster is a change to make in the kernel.
-# The weights' copies with an L2 evict-first policy: the weights of an expert with one row block are read by one CTA
-# only, while its activation rows are read again by the CTA of every other column tile.
-_EVICT_FIRST_COPY = ('#include "moe_gemm_common.cuh"', """#include "moe_gemm_common.cuh"
-namespace gptq {
-__device__ __forceinline__ void cp_async16_evict_first(unsigned dst, const void* gmem, bool full) {
-  unsigned long long policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::256B [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(gmem),
-               "r"(full ? 16 : 0), "l"(policy) : "memory");
-}
-}  // namespace gptq""")
-
-
-def _evict_first(statement: str) -> tuple:
-    """The variant entries that copy with cp_async16_evict_first where `statement` copies the weights."""
-    return _EVICT_FIRST_COPY, (statement, statement.replace("cp_async16(", "cp_async16_evict_first("))
-
-
-# The tc kernel's tile order (gptq::banded_tile, bands of configs.TC_COLUMN_BAND column tiles) for the swapped kernel,
-# whose resident CTAs otherwise are every row block of one column tile
-_SW_BANDS = (("const int blk = blockIdx.x;",
-              f"const int2 tile = gptq::banded_tile({configs.TC_COLUMN_BAND});\n  const int blk = tile.x;"),
-             ("const int n_base = blockIdx.y * BN;", "const int n_base = tile.y * BN;"))
-_SW_EVICT_FIRST = _evict_first(_SW_WEIGHT_COPIES[0])
 # {kind: (kernels/ file, {variant: statements removed or replaced})}
 VARIANTS = {
     "tc": (configs.KERNEL_FILES["tc"], {
         "as shipped": (), "no dequant": _TC_DEQUANT, "no dequant or weight copies": _TC_DEQUANT + _TC_WEIGHT_COPIES,
         "skeleton": _TC_DEQUANT + _TC_WEIGHT_COPIES + _TC_OTHER_COPIES, "no wgmma": _TC_WGMMA,
         "copies only": _TC_WGMMA + _TC_DEQUANT, "no proxy fence": _TC_FENCE,
-        "no activation copies": _TC_OTHER_COPIES[:1], "weights evict-first": _evict_first(_TC_WEIGHT_COPIES[0])}),
+        "no activation copies": _TC_OTHER_COPIES[:1]}),
     "swapped": (configs.KERNEL_FILES["swapped"], {
         "as shipped": (), "no dequant": _SW_DEQUANT, "no dequant or weight copies": _SW_DEQUANT + _SW_WEIGHT_COPIES,
         "skeleton": _SW_DEQUANT + _SW_WEIGHT_COPIES + _SW_OTHER_COPIES, "no wgmma": _SW_WGMMA,
-        "copies only": _SW_WGMMA + _SW_DEQUANT, "no activation copies": _SW_OTHER_COPIES[:1],
-        "weights evict-first": _SW_EVICT_FIRST, "column bands": _SW_BANDS,
-        "column bands + weights evict-first": _SW_BANDS + _SW_EVICT_FIRST}),
+        "copies only": _SW_WGMMA + _SW_DEQUANT, "no activation copies": _SW_OTHER_COPIES[:1]}),
     "reg": (configs.KERNEL_FILES["reg"], {
         "as shipped": (), "copies only": _DECODE_COMPUTE, "compute only": _DECODE_COPIES,
-        "skeleton": _DECODE_COMPUTE + _DECODE_COPIES, "weights evict-first": _evict_first(_DECODE_WEIGHT_COPY)}),
+        "skeleton": _DECODE_COMPUTE + _DECODE_COPIES}),
 }
-# the variants that compute the shipped result
-EXACT = ("weights evict-first", "column bands", "column bands + weights evict-first")
 
 _shipped_source = _compile._source
 
@@ -166,14 +128,6 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
         for name in (variants if rnd % 2 == 0 else reversed(variants)):
             use_variant(source_file, variants[name])
             times[name].append(graph_time(calls, reps=8, warmup=2))
-    exact = [name for name in variants if name in EXACT]
-    use_variant(source_file, ())
-    shipped_sum = bench_gemm.checksum(r) if exact else None
-    differ = []
-    for name in exact:
-        use_variant(source_file, variants[name])
-        if bench_gemm.checksum(r) != shipped_sum:
-            differ.append(name)
     use_variant(source_file, ())
     result = {name: statistics.median(t) * 1e6 for name, t in times.items()}
     traffic, flops = bench_gemm.traffic_and_flops(r)
@@ -191,10 +145,9 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
             head += f", {copied / result['copies only'] / 1e6:.2f} TB/s in 'copies only'"
     print(head + "):", flush=True)
     for name, t in result.items():
-        mark = " OUTPUT DIFFERS FROM THE SHIPPED BUILD" if name in differ else " same bits" if name in exact else ""
-        print(f"    {name:34s} {t:10.2f} us  {floor_us / t:5.2f}  {t / result['as shipped']:5.3f}{mark}", flush=True)
+        print(f"    {name:34s} {t:10.2f} us  {floor_us / t:5.2f}  {t / result['as shipped']:5.3f}", flush=True)
     return dict(model=model, phase=phase, m=m, config=cfg.spec, floor_us=floor_us, copied_bytes=copied,
-                times_us=result, output_differs=differ)
+                times_us=result)
 
 
 def main(argv=None) -> None:
