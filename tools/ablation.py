@@ -25,8 +25,8 @@ at every 32-k step; "copies only" moves exactly those bytes (and stores the outp
 which the CTAs' copies stream.
 
 The swapped-operand kernel (`moe_gemm_swapped`, 32- and 48-row blocks on sm_90a), the same variants but the proxy
-fence: "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized
-fragments alive without tensor work.
+fence: "no dequant" leaves the register A fragments unwritten, "no wgmma" keeps the dequantized fragments alive
+without tensor work.
 
 The decode kernel (`moe_gemm`, 16-row blocks):
 - copies only: each warp's ring of weight, scale and zero copies and its waits, no dequantization and no mma;

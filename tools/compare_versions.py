@@ -1,8 +1,9 @@
 """Two or more versions of cupy_moe side by side in one process: per row, the checksum of each version's output and
 each version's time, so that a refactor can be shown to keep results bitwise and speed within noise.
 
-    python tools/compare_versions.py OTHER_CHECKOUT [OTHER_CHECKOUT ...] [--models ...] [--m 1,16,64,256,1024,4096] [--rows gemm,layer]
-                                     [--rounds R] [--reps N] [--bits 4|8] [--dtype float16|bfloat16] [--json FILE]
+    python tools/compare_versions.py OTHER_CHECKOUT [OTHER_CHECKOUT ...] [--models ...] [--m 1,16,64,256,1024,4096]
+                                     [--rows gemm,layer] [--rounds R] [--reps N] [--bits 4|8]
+                                     [--dtype float16|bfloat16] [--json FILE]
 
 OTHER_CHECKOUT is the root of another checkout of the repository (e.g. `git worktree add /tmp/old <commit>`); its
 package is imported as a second module next to this checkout's `cupy_moe`. Several other checkouts (variants of one
