@@ -8,7 +8,7 @@ fp16, the pair list and activation order fused_moe gives that M, routings and we
 the kernel of the configuration `choose_config` gives is compiled once as it ships and once per variant of that
 kernel below, with the named statements removed or replaced before NVRTC sees the source, and every build is timed on
 the same inputs (a CUDA graph of one call per input set, median replay, the builds interleaved over --rounds
-rounds). The variants that remove work compute garbage; only their times mean something.
+rounds). The variants compute garbage; only their times mean something.
 
 The tc kernel (`moe_gemm_tc`, 64- and 128-row blocks; its wgmma path, so sm_90a only):
 - no dequant: the raw words are copied but never dequantized (wgmma reads whatever the B tiles hold);
@@ -145,7 +145,7 @@ def row(model: str, phase: str, m: int, copy_bw: float, mm_rate: float, rounds: 
             head += f", {copied / result['copies only'] / 1e6:.2f} TB/s in 'copies only'"
     print(head + "):", flush=True)
     for name, t in result.items():
-        print(f"    {name:34s} {t:10.2f} us  {floor_us / t:5.2f}  {t / result['as shipped']:5.3f}", flush=True)
+        print(f"    {name:30s} {t:10.2f} us  {floor_us / t:5.2f}  {t / result['as shipped']:5.3f}", flush=True)
     return dict(model=model, phase=phase, m=m, config=cfg.spec, floor_us=floor_us, copied_bytes=copied,
                 times_us=result)
 

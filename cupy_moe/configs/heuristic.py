@@ -9,8 +9,8 @@ With P = M * A pairs, `touched` = expected_experts(M, E, A) and r = P / touched 
    waves = ceil(CTAs x slices / (ctas_per_sm x SM count)). The tc tiles, and swapped tiles of 48 rows or more, split
    only grids of less than one wave; on sm_90a, where 2 slices of a tc tile add their partials inside a cluster
    (`splits_in_cluster`), a tc grid of a wave or more (its blocks counted with the spread of rows per expert) splits
-   2 ways where that estimate falls to TC_CLUSTER_GAIN of the unsplit one. Split-K is deterministic: each tile's partials are summed in slice order (by
-   its last CTA, or in the cluster); no atomics on outputs.
+   2 ways where that estimate falls to TC_CLUSTER_GAIN of the unsplit one. Split-K is deterministic: each tile's
+   partials are summed in slice order (by its last CTA, or in the cluster); no atomics on outputs.
 3. A split 48- or 64-row pick becomes 128 rows unsplit where the 128-row grid fills at least FULL_WAVE of its waves; a
    48-, 64- or 128-row pick with at most SPLIT_TC_ROWS_MAX rows per expert, whose unsplit grid has fewer CTAs than the
    GPU has SMs and that rule 2 would split more than SPLIT_TC_MAX ways (one expert with few column tiles: a shared
