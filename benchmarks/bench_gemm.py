@@ -48,7 +48,7 @@ from cupy_moe.align import moe_align_block_size
 from cupy_moe.gemm import fused_moe_gemm
 from cupy_moe.models import BENCHMARK_MODELS, get_model
 from cupy_moe.timing import (ROOFLINE_TARGET_M, copy_bandwidth, event_time as timed, graph_time, matmul_rate,
-                             regime_summary, roofline_target, weight_copies)
+                             random_activations, regime_summary, roofline_target, weight_copies)
 from cupy_moe.weights import StackedGptqWeight, expert_nbytes
 
 G = 128
@@ -114,7 +114,8 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
     e, a_top = shape.num_experts, shape.top_k
     k, n, top_k, rows, w_bytes_expert = phase_shape(model, phase, m)
     p = rows * top_k
-    rng = np.random.default_rng(m * 7 + len(model))
+    seed = m * 7 + len(model)
+    rng = np.random.default_rng(seed)
     copies = weight_copies(w_bytes_expert * e)
     weights = [StackedGptqWeight.random(e, k, n, bits=BITS, group_size=G, seed=11 + c) for c in range(copies)]
     cfg, pair, single = row_config(model, phase, m, gpu or configs.gpu_info(), tiles, natural_down, block_m)
@@ -122,7 +123,7 @@ def prepare_row(model, phase, m, rotations=8, dtype=np.float16, tiles=(), natura
     for r in range(rotations):
         ids = np.stack([rng.permutation(e)[:a_top] for _ in range(m)]).astype(np.int32)  # [M, A] routing
         ids_rows = ids.reshape(p, 1) if phase == "down" else ids  # down: one row per pair
-        x = cp.asarray(rng.standard_normal((rows, k)).astype(dtype))
+        x = random_activations((rows, k), dtype, seed=seed + r)
         if single:
             s, eid, post = None, cp.asarray(ids_rows), None
         else:

@@ -12,8 +12,8 @@ import numpy as np
 
 from ._xp import require_gpu
 
-__all__ = ["event_time", "graph_time", "weight_copies", "copy_bandwidth", "matmul_rate", "layer_target",
-           "roofline_target", "regime_summary", "ROOFLINE_TARGET_M", "REGIMES"]
+__all__ = ["event_time", "graph_time", "weight_copies", "random_activations", "copy_bandwidth", "matmul_rate",
+           "layer_target", "roofline_target", "regime_summary", "ROOFLINE_TARGET_M", "REGIMES"]
 
 # The token counts M at which the GEMM phases are judged against roofline_target (every model, both phases).
 ROOFLINE_TARGET_M = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384)
@@ -44,6 +44,18 @@ def weight_copies(nbytes: int) -> int:
     small-expert M = 1 row timed over 4 routings of one copy ran from L2 and its fastest configuration was not
     the fastest from memory."""
     return max(1, min(4, -(-512 * 2**20 // max(1, int(nbytes)))))
+
+
+def random_activations(shape, dtype, seed: int, scale: float = 1.0):
+    """scale * N(0, 1) samples of `shape` in `dtype` (float16 or ml_dtypes.bfloat16), drawn on the current CuPy
+    device from `seed`: the activations that the tuner, the benchmarks and the tools time. A host draw costs
+    seconds at prefill sizes: Mixtral-8x7B's down phase at M = 16384 reads 32768 x 14336 values, about 16 s for
+    NumPy on one core, and a benchmark row draws eight sets."""
+    cp = require_gpu("timing")
+    x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32)
+    if scale != 1.0:
+        x *= scale
+    return x.astype(dtype)
 
 
 def graph_time(calls: Sequence[Callable[[], object]], reps: int = 10, warmup: int = 2, stream=None) -> float:

@@ -25,7 +25,7 @@ from .align import moe_align_block_size
 from .gemm import fused_moe_gemm
 from .models import BENCHMARK_MODELS, get_model
 from .reference import to_pair_order
-from .timing import graph_time, weight_copies
+from .timing import graph_time, random_activations, weight_copies
 from .weights import StackedGptqWeight
 
 __all__ = ["tune"]
@@ -77,7 +77,7 @@ def tune(models=None, ms=(1, 4, 16, 64, 256, 1024, 4096), *, bits=4, group_size=
                 # several routings per timing, so that L2 does not keep one routing's experts between calls
                 routings = [cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32))
                             for _ in range(ROTATIONS)]
-                x = cp.asarray(rng.standard_normal((rows, k)).astype(np.float16))
+                x = random_activations((rows, k), np.float16, seed=len(found) + m)
                 out = cp.empty((m * a, n), cp.float16)
                 key = configs.tuning_key(e, k, n, bits, group_size, m * a)
                 one_pair = configs.one_pair_blocks(m, a, expert_bytes)  # as fused_moe runs these M tokens

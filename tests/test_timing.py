@@ -1,7 +1,9 @@
-"""The performance targets of `cupy_moe.timing` (the timing functions themselves need a GPU). CPU only."""
+"""The performance targets of `cupy_moe.timing` (the timing functions themselves need a GPU), and the random
+activations that timings run on (one GPU test)."""
+import numpy as np
 import pytest
 
-from cupy_moe.timing import layer_target, regime_summary, roofline_target
+from cupy_moe.timing import layer_target, random_activations, regime_summary, roofline_target
 
 us = 1e-6
 
@@ -39,3 +41,26 @@ def test_regime_summary_groups_rows_by_the_targets_regimes():
 def test_weight_copies_cover_512_mib_up_to_4():
     from cupy_moe.timing import weight_copies
     assert [weight_copies(mib << 20) for mib in (1024, 512, 200, 100, 1)] == [1, 1, 3, 4, 4]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_random_activations_are_seeded_normal_samples_on_the_device(dtype):
+    import cupy as cp
+    if dtype == "bfloat16":
+        dtype = pytest.importorskip("ml_dtypes").bfloat16
+    x = random_activations((512, 384), dtype, seed=3)
+    assert isinstance(x, cp.ndarray) and x.shape == (512, 384) and x.dtype == np.dtype(dtype)
+    assert bool((x == random_activations((512, 384), dtype, seed=3)).all())
+    assert not bool((x == random_activations((512, 384), dtype, seed=4)).all())
+    values = cp.asnumpy(x).astype(np.float32)
+    assert abs(values.mean()) < 0.02 and 0.97 < values.std() < 1.03
+    half = cp.asnumpy(random_activations((512, 384), dtype, seed=3, scale=0.5)).astype(np.float32)
+    assert np.allclose(half, 0.5 * values, rtol=1e-2, atol=1e-3)
+
+
+def test_random_activations_need_a_gpu(monkeypatch):
+    from cupy_moe import _xp
+    monkeypatch.setattr(_xp, "gpu_available", lambda: False)
+    with pytest.raises(RuntimeError, match="timing needs"):
+        random_activations((4, 4), np.float16, seed=0)

@@ -28,6 +28,8 @@ def fake(tmp_path, monkeypatch):
     big = types.SimpleNamespace(nbytes=1 << 30)  # one copy (timing.weight_copies)
     monkeypatch.setattr(tune_mod, "StackedGptqWeight", types.SimpleNamespace(random=lambda *a, **kw: big))
     monkeypatch.setattr(tune_mod, "moe_align_block_size", lambda ids, block_m, e: ("sorted", "blocks", "post"))
+    monkeypatch.setattr(tune_mod, "random_activations",
+                        lambda shape, dtype, seed: np.random.default_rng(seed).standard_normal(shape).astype(dtype))
 
     def gemm(x, w, s, eid, post, top_k, **kw):
         cfg = kw["config"]

@@ -41,7 +41,7 @@ import numpy as np
 
 import cupy_moe
 from cupy_moe.models import BENCHMARK_MODELS, get_model
-from cupy_moe.timing import graph_time
+from cupy_moe.timing import graph_time, random_activations
 
 # 8 routings per row, as the benchmark: with 4, a small-expert decode row touches about the L2's size in weights
 # (Qwen1.5-MoE-A2.7B gate/up at M = 1: 16 experts, 46 MB), and whether they stay in L2 between replays flipped
@@ -155,12 +155,13 @@ def main(argv=None) -> int:
                            down=draw(1, s_i, h, bits=args.bits, group_size=G, seed=20 + c))
                       for c in range(4)]
         for m in (int(v) for v in args.m.split(",")):
-            rng = np.random.default_rng(7 * m + len(model.name))
+            seed = 7 * m + len(model.name)
+            rng = np.random.default_rng(seed)
             sets = [(cp.asarray(np.stack([rng.permutation(e)[:a] for _ in range(m)]).astype(np.int32)),
                      cp.asarray(rng.random((m, a)).astype(np.float32)),
-                     cp.asarray(rng.standard_normal((m, h)).astype(dtype)),
-                     cp.asarray((0.5 * rng.standard_normal((m * a, inter))).astype(dtype)))
-                    for _ in range(ROTATIONS)]
+                     random_activations((m, h), dtype, seed=2 * (seed + r)),
+                     random_activations((m * a, inter), dtype, seed=2 * (seed + r) + 1, scale=0.5))
+                    for r in range(ROTATIONS)]
             for phase, (k, n, _) in phases.items() if "gemm" in kinds else ():
                 row, timed = dict(model=model.name, phase=phase, m=m), {}
                 for v, pkg in versions.items():
