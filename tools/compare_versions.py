@@ -78,6 +78,13 @@ def one_pair(pkg, m, a, expert_bytes):
     return rule(m, a, expert_bytes) if rule is not None else m == 1
 
 
+def config_label(cfg) -> str:
+    """'block_m/split_k/kind', block_m marked 'k' where warps split K: one label per tuned-table entry (block_m,
+    split_k, warps_k), which accept_tuned.py compares (a checkout from before warps_k has none)."""
+    k = "k" if getattr(cfg, "warps_k", 1) > 1 else ""
+    return f"{cfg.block_m}{k}/{cfg.split_k}/{cfg.kind}"
+
+
 def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n, single):
     """(label of the configuration, one zero-argument call per input set, their outputs) for one version; single:
     one pair per block."""
@@ -93,7 +100,7 @@ def phase_calls(cp, pkg, weight, sets, phase, m, e, a, k, n, single):
         calls.append(lambda src=src, al=aligned, w=weights, o=out: pkg.fused_moe_gemm(
             src, weight, *al, top_k, topk_weights=w, out=o, a_pair_order=pair))
         outs.append(out)
-    return f"{cfg.block_m}/{cfg.split_k}/{cfg.kind}", calls, outs
+    return config_label(cfg), calls, outs
 
 
 def moe_layer_calls(pkg, model, w13, w2, copies, xs):
