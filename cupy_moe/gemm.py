@@ -324,6 +324,6 @@ def fused_moe_gemm(a, weight, sorted_token_ids, expert_ids, num_tokens_post_padd
                     (a, qweight, scales, opt(qzeros), opt(g_idx), opt(topk_weights), opt(sorted_ids), blocks, opt(post),
                      out, opt(partials), opt(tickets), i32(k), i32(n), i32(group_len), i32(num_groups), i32(top_k),
                      i32(p), i32(capacity), i32(split), i32(cps), i32(e))
-                    + ((i32(configs.TC_COLUMN_BAND),) if config.kind != "reg" else ()), smem,
+                    + ((i32(configs.COLUMN_BAND),) if config.kind != "reg" else ()), smem,
                     cluster_z=_cluster_size(config, split))
     return out

@@ -52,7 +52,7 @@ moe_gemm_tc(const unsigned short* __restrict__ a,        // [M, K]
             int* __restrict__ tickets,                   // [C / BM, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
             int split_k, int chunks_per_split, int num_experts,
-            int n_band) {  // tile order: bands of n_band column tiles (configs.TC_COLUMN_BAND)
+            int n_band) {  // tile order: bands of n_band column tiles (configs.COLUMN_BAND)
   using L = TcSmem<BM, BN, kBits, NS, KT, kWg>;
   constexpr int THREADS = 256;
   // warps along M and N. wgmma: warpgroup i (warps 4i..4i+3) computes rows 64i.. (BM 128: 64 x BN each) or columns

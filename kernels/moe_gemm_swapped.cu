@@ -55,7 +55,7 @@ moe_gemm_swapped(const unsigned short* __restrict__ a,        // [M, K]
             int* __restrict__ tickets,                   // [C / T, N / BN] zeros when split_k > 1
             int K, int N, int group_len, int num_groups, int top_k, int num_pairs, int capacity,
             int split_k, int chunks_per_split, int num_experts,
-            int n_band) {  // tile order: bands of n_band column tiles (configs.TC_COLUMN_BAND)
+            int n_band) {  // tile order: bands of n_band column tiles (configs.COLUMN_BAND)
   constexpr int BN = 128 * MW, THREADS = 256, NJ = T / 8, NC = 2 * MW;
   using L = SwappedSmem<T, BN, kBits, NS, KT>;
   static_assert(T == 16 || T == 32 || T == 48 || T == 64 || T == 128, "T");

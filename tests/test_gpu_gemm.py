@@ -198,7 +198,7 @@ def test_gemm_tile_order(shape, split, monkeypatch):
     lists = moe_align_block_size(ids, cfg.block_m, e)
     outs = []
     for band in (1, 2, 16):
-        monkeypatch.setattr(configs, "TC_COLUMN_BAND", band)
+        monkeypatch.setattr(configs, "COLUMN_BAND", band)
         outs.append(fused_moe_gemm(x, w, *lists, a, tw, config=cfg).view(cp.uint16))
     assert all(cp.array_equal(outs[0], o) for o in outs[1:])
 

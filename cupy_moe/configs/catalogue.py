@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 __all__ = ["GemmConfig", "KERNEL_FILES", "TEMPLATES", "KERNEL_SHAPES", "ACT_ORDER_SHAPES", "HOPPER_SHAPES",
            "SPLIT_WARPS_SHAPES", "SUPPORTED_BLOCK_M", "DECODE", "DECODE_32", "DECODE_48", "DECODE_WK",
            "DECODE_WK_ONE_PAIR", "PREFILL", "PREFILL_128", "SWAPPED_32", "SWAPPED_48", "MAX_SPLIT", "CLUSTER_SPLIT",
-           "TC_COLUMN_BAND", "warps_k_choices", "fallback", "splits_in_cluster", "max_split_k",
+           "COLUMN_BAND", "warps_k_choices", "fallback", "splits_in_cluster", "max_split_k",
            "all_name_expressions"]
 
 # The CUDA source of each kind (kernels/<file>), and the template each kind instantiates.
@@ -46,10 +46,10 @@ SWAPPED_RESIDENT_PER_SM = 2
 MAX_SPLIT = 16  # the most K slices (split-K CTAs) of one tile
 # K slices that run as one thread-block cluster (`splits_in_cluster`); clusters of 3 to 8 leave CTA slots empty
 CLUSTER_SPLIT = 2
-# The tile order of the tc and swapped kernels: CTAs launched one after another take TC_COLUMN_BAND column tiles of a
+# The tile order of the tc and swapped kernels: CTAs launched one after another take COLUMN_BAND column tiles of a
 # row block before the next row block; 1 = row blocks fastest (why: kernels/moe_gemm_common.cuh, banded_tile;
 # measured: performance.md, prefill).
-TC_COLUMN_BAND = 16
+COLUMN_BAND = 16
 
 
 @dataclass(frozen=True)
