@@ -10,17 +10,20 @@
 #   the details page, and per-instruction stall samples of the SASS), ablation.txt + ablation.json
 #   (tools/ablation.py: the GEMM kernels timed with parts of their main loops compiled out or changed; ABLATION_ARGS,
 #   default --m 1024,4096, the prefill kernel's rows; --m 1,8 takes the decode kernel's; ABLATION_VARIANTS, the
-#   variant names to time, comma-separated, spaces kept).
+#   variant names to time, comma-separated, spaces kept), retune.txt + retune/ (this GPU's shipped tuned table
+#   refreshed: `python -m cupy_moe tune` at $RETUNE_M on every model into retune/tuned/, that table merged into a copy
+#   of this checkout and raced against it by tools/compare_versions.py in $RETUNE_ROUNDS rounds into retune/race.json,
+#   and the entries that won the race added to a copy of cupy_moe/configs/tuned/: retune/accepted/, what to ship).
 # Usage (repository root, cupy_moe installed or PYTHONPATH=.): OUT=/some/dir bash tools/gpu_check.sh
-# STAGES picks stages (default all but reads, ncu and ablation); *_TIMEOUT bound each; BENCH_ARGS go to bench_gemm.py,
-# TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py; PACK=1 packs $OUT;
-# TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu tests" runs only the
-# tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer. Where pytest-xdist is installed,
-# the tests stage runs in $WORKERS processes (default 8) on the one GPU and memcheck in $MEMCHECK_WORKERS (default 4);
-# 0 runs a stage in one. compute-sanitizer follows the worker processes (a kernel writing out of bounds, run by 2
-# workers under it: 64 reports, exit status 9). Run memcheck after the tests stage, which leaves every kernel in
-# CuPy's disk cache (memcheck alone on a fresh machine, H200, 8 workers: 7 of its tests in 330 s; after the tests
-# stage, H100: all 223 in 70-85 s with 4 workers, and not done in 150 s with 8).
+# STAGES picks stages (default all but reads, ncu, ablation and retune); *_TIMEOUT bound each; BENCH_ARGS go to
+# bench_gemm.py, TUNE_ARGS to python -m cupy_moe tune (default one model), COMPARE_ARGS to tools/compare_versions.py;
+# PACK=1 packs $OUT; TESTS_ARGS to pytest (default: the suite of the README's command, GPU tests included; "-m gpu
+# tests" runs only the tests that need the GPU); MEMCHECK_ARGS to the pytest run under compute-sanitizer. Where
+# pytest-xdist is installed, the tests stage runs in $WORKERS processes (default 8) on the one GPU and memcheck in
+# $MEMCHECK_WORKERS (default 4); 0 runs a stage in one. compute-sanitizer follows the worker processes (a kernel writing
+# out of bounds, run by 2 workers under it: 64 reports, exit status 9). Run memcheck after the tests stage, which leaves
+# every kernel in CuPy's disk cache (memcheck alone on a fresh machine, H200, 8 workers: 7 of its tests in 330 s; after
+# the tests stage, H100: all 223 in 70-85 s with 4 workers, and not done in 150 s with 8).
 set -u
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -37,7 +40,7 @@ stage() {  # stage NAME TIMEOUT LOG COMMAND...
   [[ ,$STAGES, == *,$name,* ]] || return 0
   local t0=$SECONDS
   timeout "$limit" "$@" > "$log" 2>&1
-  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|saved|wrote|checksums' "$log" | tail -n 3 | tr '\n' ' ')")
+  summary+=("$name rc=$? ($((SECONDS - t0)) s) :: $(grep -E 'passed|failed|ERROR SUMMARY|rows meet|check:|time per layer|saved|wrote|checksums|entries added' "$log" | tail -n 3 | tr '\n' ' ')")
 }
 
 stage reads "${READS_TIMEOUT:-180}" "$OUT/reads.txt" bash -c 'python3 tools/read_patterns.py && python3 tools/read_floor.py --m 1,16'
@@ -69,6 +72,22 @@ stage demo "${DEMO_TIMEOUT:-120}" "$OUT/demo.txt" python3 -m cupy_moe demo
 # the tuner writes this GPU's table (the format of cupy_moe/configs/tuned/) to $OUT/tuned/
 stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" env CUPY_MOE_CACHE_DIR="$OUT/tuned" \
   python3 -m cupy_moe tune ${TUNE_ARGS:---models Qwen3-30B-A3B --m 1,64,1024 --reps 5}
+# retune: a shipped tuned table refreshed in one stage (tools/README.md, "Refreshing a shipped tuned table")
+stage retune "${RETUNE_TIMEOUT:-540}" "$OUT/retune.txt" bash -c '
+  set -e
+  out=$1/retune m=$2 rounds=$3 here=$PWD cand=$(mktemp -d) empty=$(mktemp -d)
+  trap "rm -rf $cand $empty" EXIT
+  rm -rf "$out" && mkdir -p "$out/tuned"
+  CUPY_MOE_CACHE_DIR="$out/tuned" python3 -m cupy_moe tune --m "$m" --reps 5
+  table=$(ls "$out"/tuned/*.json)
+  cp -r cupy_moe kernels pyproject.toml tools "$cand"/
+  python3 tools/accept_tuned.py merge "$table" "$cand/cupy_moe/configs/tuned"
+  # exit status 1 where the bits differ: another configuration may add in another order
+  (cd "$cand" && CUPY_MOE_CACHE_DIR="$empty" PYTHONPATH=. python3 tools/compare_versions.py "$here" --rows gemm \
+    --m "$m" --rounds "$rounds" --reps 20 --json "$out/race.json") || [[ $? == 1 ]]
+  cp -r cupy_moe/configs/tuned "$out/accepted"
+  CUPY_MOE_CACHE_DIR="$empty" python3 tools/accept_tuned.py accept "$table" "$out/race.json" "$out/accepted"
+  ' retune "$OUT" "${RETUNE_M:-128,256,512,1024}" "${RETUNE_ROUNDS:-3}"
 stage examples "${EXAMPLES_TIMEOUT:-60}" "$OUT/examples.txt" \
   bash -c 'for f in examples/*.py; do echo "== $f"; python3 "$f" || echo "FAILED $f"; done'
 
