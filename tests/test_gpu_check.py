@@ -51,9 +51,13 @@ def _run_stage(tmp_path, tuned, race, race_status):
     stub = bin_dir / "python3"
     stub.write_text(STUB.format(python=sys.executable, gpu=GPU, file=configs.table_file_name(GPU)))
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
-               STAGES="retune", RETUNE_M="256", TUNED=json.dumps(tuned), RACE=json.dumps(race),
-               RACE_STATUS=str(race_status), RACE_LOG=str(tmp_path / "race_log.json"))
+    # $OUT relative to the checkout, and the candidate (mktemp) deeper than the checkout: the race runs there and
+    # must still write under $OUT
+    scratch = tmp_path / "t" / "m" / "p"
+    scratch.mkdir(parents=True)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", TMPDIR=str(scratch),
+               OUT=os.path.relpath(tmp_path / "out", ROOT), STAGES="retune", RETUNE_M="256", TUNED=json.dumps(tuned),
+               RACE=json.dumps(race), RACE_STATUS=str(race_status), RACE_LOG=str(tmp_path / "race_log.json"))
     env.pop("CUPY_MOE_CACHE_DIR", None)
     done = subprocess.run(["bash", "tools/gpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)

@@ -75,7 +75,7 @@ stage tune "${TUNE_TIMEOUT:-180}" "$OUT/tune.txt" env CUPY_MOE_CACHE_DIR="$OUT/t
 # retune: a shipped tuned table refreshed in one stage (tools/README.md, "Refreshing a shipped tuned table")
 stage retune "${RETUNE_TIMEOUT:-540}" "$OUT/retune.txt" bash -c '
   set -e
-  out=$1/retune m=$2 rounds=$3 here=$PWD cand=$(mktemp -d) empty=$(mktemp -d)
+  out=$(cd "$1" && pwd)/retune m=$2 rounds=$3 here=$PWD cand=$(mktemp -d) empty=$(mktemp -d)
   trap "rm -rf $cand $empty" EXIT
   rm -rf "$out" && mkdir -p "$out/tuned"
   CUPY_MOE_CACHE_DIR="$out/tuned" python3 -m cupy_moe tune --m "$m" --reps 5
